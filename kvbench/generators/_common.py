@@ -1,0 +1,90 @@
+"""Shared pieces of the generators: distributions, segment lists and table assembly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..blockhash import name_key, prompt_block_ids
+from ..schema import conform
+
+
+def rng_for(seed: int, *names: object) -> np.random.Generator:
+    """An independent random stream per (seed, purpose), so adding a draw elsewhere changes nothing here."""
+    return np.random.default_rng([seed, int(name_key(*names)) & 0x7FFFFFFF])
+
+
+def lognormal_ints(rng: np.random.Generator, mean: float, sigma: float, size, lo: int = 1, hi: int | None = None) -> np.ndarray:
+    """Integers from a log-normal with the given *mean* (not median) and shape sigma, clipped to [lo, hi]."""
+    mu = np.log(max(mean, 1e-9)) - sigma**2 / 2
+    x = np.rint(rng.lognormal(mu, sigma, size)).astype(np.int64)
+    return np.clip(x, lo, hi if hi is not None else np.iinfo(np.int32).max // 4)
+
+
+def zipf_indices(rng: np.random.Generator, n_items: int, alpha: float, size) -> np.ndarray:
+    """Draw item ranks 0..n_items-1 with P(k) proportional to 1/(k+1)**alpha (bounded Zipf)."""
+    weights = 1.0 / np.arange(1, n_items + 1, dtype=np.float64) ** alpha
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    return np.minimum(np.searchsorted(cdf, rng.random(size), side="right"), n_items - 1)
+
+
+def poisson_arrivals(rng: np.random.Generator, rate: float, size: int) -> np.ndarray:
+    """Arrival times (s) of a Poisson process with `rate` per second, starting at 0."""
+    t = np.cumsum(rng.exponential(1.0 / rate, size))
+    return t - t[0] if size else t
+
+
+def group_ranks(group: np.ndarray) -> np.ndarray:
+    """Position of each element inside its run of equal consecutive `group` values (0, 1, 2, ...)."""
+    group = np.asarray(group)
+    if group.size == 0:
+        return group.astype(np.int64)
+    start = np.ones(group.size, dtype=bool)
+    start[1:] = group[1:] != group[:-1]
+    first = np.flatnonzero(start)
+    return np.arange(group.size) - np.repeat(first, np.diff(np.append(first, group.size)))
+
+
+def string_ids(prefix: str, numbers) -> pa.Array:
+    """Strings like 'chat-s12' for integer arrays, built in Arrow (fast for millions of rows)."""
+    nums = pc.cast(pa.array(np.asarray(numbers, dtype=np.int64)), pa.string())
+    return pc.binary_join_element_wise(pa.scalar(prefix), nums, "")
+
+
+class Segments:
+    """Accumulates prompt segments (request index, content id, tokens) from several vectorised sources."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, request, content, tokens, order=0) -> None:
+        """Add segments; within one request, segments are laid out by `order` then by insertion."""
+        request = np.asarray(request, dtype=np.int64)
+        b = np.broadcast_arrays(request, np.asarray(content, dtype=np.uint64), np.asarray(tokens, dtype=np.int64),
+                                np.asarray(order, dtype=np.int64))
+        self._parts.append(tuple(np.ascontiguousarray(x) for x in b))
+
+    def block_ids(self, n_requests: int, block_size: int) -> tuple[np.ndarray, pa.ListArray]:
+        req, content, tokens, order = (np.concatenate([p[i] for p in self._parts]) for i in range(4))
+        seq = np.arange(req.size)
+        idx = np.lexsort((seq, order, req))
+        return prompt_block_ids(req[idx], content[idx], tokens[idx], n_requests, block_size)
+
+
+def assemble(columns: dict[str, object], segments: Segments, n_requests: int, block_size: int) -> pa.Table:
+    """Build the trace table: compute input_tokens and block_hashes from the segments, then sort by arrival.
+
+    `columns` holds per-request arrays (numpy or Arrow) for any schema column except input_tokens and
+    block_hashes. Rows are sorted stably by arrival_s, so request_ids are assigned before sorting.
+    """
+    input_tokens, hashes = segments.block_ids(n_requests, block_size)
+    if np.any(input_tokens <= 0):
+        raise ValueError("a generated request has an empty prompt")
+    arrays = {"input_tokens": pa.array(input_tokens.astype(np.int32)), "block_hashes": hashes}
+    for name, value in columns.items():
+        arrays[name] = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else pa.array(value)
+    table = conform(pa.table(arrays))
+    order = np.argsort(np.asarray(table.column("arrival_s")), kind="stable")
+    return table.take(order)

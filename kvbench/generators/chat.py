@@ -1,0 +1,92 @@
+"""Multi-turn chat: each turn's prompt is the previous prompt + the previous answer + new user text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..blockhash import content_ids, name_key
+from . import generator, param
+from ._common import Segments, assemble, group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids, zipf_indices
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    session_rate: float = param(1.0, "new conversations per second (Poisson)")
+    turns_mean: float = param(4.0, "mean turns per conversation (geometric)")
+    max_turns: int = param(32, "cap on turns per conversation")
+    system_prompts: int = param(16, "distinct system prompts shared across conversations")
+    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
+    system_tokens_mean: float = param(1200.0, "mean system prompt length (tokens)")
+    user_tokens_mean: float = param(300.0, "mean new user text per turn (tokens, log-normal)")
+    user_tokens_sigma: float = param(1.2, "log-normal shape of user text length")
+    output_tokens_mean: float = param(343.0, "mean answer length (tokens; Mooncake conversation: 343)")
+    output_tokens_sigma: float = param(0.8, "log-normal shape of answer length")
+    think_time_mean_s: float = param(45.0, "mean human think time between an answer and the next turn (s)")
+    decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later turns (s)")
+
+
+def _sessions(p: ChatParams, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Turns of enough conversations to cover n requests (the last one truncated)."""
+    q = 1.0 / max(p.turns_mean, 1.0)
+    turns = np.empty(0, dtype=np.int64)
+    while turns.sum() < n:
+        more = np.minimum(rng.geometric(q, size=max(16, int(n * q * 1.2))), p.max_turns)
+        turns = np.concatenate([turns, more])
+    cut = np.searchsorted(np.cumsum(turns), n)
+    turns = turns[: cut + 1].copy()
+    turns[-1] -= turns.sum() - n
+    return turns
+
+
+@generator("chat", ChatParams)
+def chat(p: ChatParams, n: int, seed: int, block_size: int):
+    """Multi-turn chat with shared system prompts and human think time."""
+    rng = rng_for(seed, "chat")
+    turns = _sessions(p, n, rng)
+    n_sessions = turns.size
+    session = np.repeat(np.arange(n_sessions), turns)  # one entry per request, requests grouped by session
+    turn = group_ranks(session)
+
+    system = zipf_indices(rng, p.system_prompts, p.system_zipf, n_sessions)
+    system_len = lognormal_ints(rng_for(seed, "chat", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts, lo=16)
+    user_len = lognormal_ints(rng, p.user_tokens_mean, p.user_tokens_sigma, n, lo=1, hi=32_000)
+    out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=16_000)
+    think = rng.exponential(p.think_time_mean_s, n) * (turn > 0)
+
+    # Arrivals: conversations start as a Poisson process; a turn follows the previous one after its
+    # (assumed) decode time plus the think time.
+    start = poisson_arrivals(rng, p.session_rate, n_sessions)
+    step = np.where(turn > 0, np.roll(out_len, 1) * p.decode_s_per_token + think, 0.0)
+    csum = np.cumsum(step)
+    first = np.flatnonzero(turn == 0)
+    arrival = start[session] + csum - np.repeat(csum[first], turns)
+
+    key_user, key_answer = name_key("chat", seed, "user"), name_key("chat", seed, "answer")
+    segs = Segments()
+    req = np.arange(n)
+    segs.add(req, content_ids(name_key("chat", seed, "system"), system[session]), system_len[system[session]], order=0)
+    # History: every earlier turn of the same conversation contributes its user text and its answer.
+    hist_req = np.repeat(req, turn)
+    k = group_ranks(hist_req)
+    hist_turn = hist_req - turn[hist_req] + k  # global index of the k-th earlier turn
+    segs.add(hist_req, content_ids(key_user, hist_turn), user_len[hist_turn], order=1 + 2 * k)
+    segs.add(hist_req, content_ids(key_answer, hist_turn), out_len[hist_turn], order=2 + 2 * k)
+    segs.add(req, content_ids(key_user, req), user_len, order=1 + 2 * turn)
+
+    ids = string_ids("chat-", req)
+    columns = {
+        "request_id": ids,
+        "arrival_s": arrival,
+        "output_tokens": out_len.astype(np.int32),
+        "workload": np.full(n, "chat", dtype=object),
+        "user_id": string_ids("chat-u", session),
+        "session_id": string_ids("chat-s", session),
+        "turn": turn.astype(np.int32),
+        "parent_id": pc.if_else(pa.array(turn > 0), string_ids("chat-", np.maximum(req - 1, 0)), None),
+        "think_time_s": think.astype(np.float32),
+    }
+    return assemble(columns, segs, n, block_size)

@@ -1,0 +1,87 @@
+"""Importers of public trace formats. Each module registers itself with `@importer`; none is listed by hand.
+
+An importer is `fn(src: Path, **options) -> (pa.Table, TraceMeta)`; it raises `TraceFormatError` naming the
+file, line/row and field for anything it cannot read, and never drops a record silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..errors import TraceFormatError
+
+
+@dataclass(frozen=True)
+class Importer:
+    name: str
+    read: Callable
+    summary: str
+
+
+_REGISTRY: dict[str, Importer] = {}
+
+
+def importer(name: str):
+    def wrap(fn):
+        summary = (fn.__doc__ or name).strip().splitlines()[0]
+        _REGISTRY[name] = Importer(name, fn, summary)
+        return fn
+
+    return wrap
+
+
+def registry() -> dict[str, Importer]:
+    if not _REGISTRY:
+        for mod in pkgutil.iter_modules(__path__):
+            if not mod.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{mod.name}")
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get(name: str) -> Importer:
+    imps = registry()
+    if name not in imps:
+        raise KeyError(f"unknown trace format {name!r}; choose one of: {', '.join(imps)}")
+    return imps[name]
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """Yield (line number, record) from a JSONL file; a broken line is an error naming file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceFormatError(f"{path}: no such file")
+    empty = True
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise TraceFormatError(f"{path}: line {lineno} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+            if not isinstance(rec, dict):
+                raise TraceFormatError(f"{path}: line {lineno} is not a JSON object")
+            empty = False
+            yield lineno, rec
+    if empty:
+        raise TraceFormatError(f"{path}: file has no records")
+
+
+def require(rec: dict, field: str, kind, path: Path, where: str):
+    """Fetch a required field of a record and check its type; errors name file, line/row and field."""
+    if field not in rec:
+        raise TraceFormatError(f"{path}: {where}: field {field!r} is missing")
+    value = rec[field]
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise TraceFormatError(f"{path}: {where}: field {field!r} should be {kind.__name__}, got {value!r}")
+    return value

@@ -1,0 +1,83 @@
+"""Trace schema v1 (DESIGN.md section 3): the one Arrow schema every part of kvbench reads and writes."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
+
+# File-level key-value metadata keys.
+META_VERSION = "kvbench.schema_version"
+META_BLOCK_SIZE = "kvbench.block_size"
+META_SOURCE = "kvbench.source"
+META_CREATED = "kvbench.created"
+
+MM_ITEM = pa.struct(
+    [
+        pa.field("hash", pa.uint64()),
+        pa.field("modality", pa.string()),
+        pa.field("offset", pa.int32()),
+        pa.field("tokens", pa.int32()),
+    ]
+)
+
+_DICT = pa.dictionary(pa.int32(), pa.string())
+
+TRACE_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("arrival_s", pa.float64(), nullable=False),
+        pa.field("input_tokens", pa.int32(), nullable=False),
+        pa.field("output_tokens", pa.int32(), nullable=False),
+        pa.field("block_hashes", pa.list_(pa.uint64()), nullable=False),
+        pa.field("workload", _DICT),
+        pa.field("tenant", _DICT),
+        pa.field("user_id", pa.string()),
+        pa.field("session_id", pa.string()),
+        pa.field("turn", pa.int32()),
+        pa.field("parent_id", pa.string()),
+        pa.field("depends_on", pa.list_(pa.string())),
+        pa.field("think_time_s", pa.float32()),
+        pa.field("reasoning_tokens", pa.int32()),
+        pa.field("mm_items", pa.list_(MM_ITEM)),
+        pa.field("lora", _DICT),
+        pa.field("cache_salt", pa.string()),
+        pa.field("priority", pa.int8()),
+        pa.field("slo_ttft_ms", pa.float32()),
+        pa.field("slo_tpot_ms", pa.float32()),
+    ]
+)
+
+REQUIRED_COLUMNS = tuple(f.name for f in TRACE_SCHEMA if not f.nullable)
+KNOWN_COLUMNS = tuple(TRACE_SCHEMA.names)
+WORKLOAD_KINDS = ("chat", "agent", "multimodal", "reasoning", "multi-tenant")
+
+
+def blocks_for(input_tokens, block_size: int):
+    """Number of hash blocks a prompt of `input_tokens` has: ceil(input_tokens / block_size)."""
+    return -(-input_tokens // block_size)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """Return `table` with every known column present and cast to its schema type, in schema order.
+
+    Missing optional columns become all-null; unknown extra columns are kept after the known ones.
+    Raises `pa.ArrowInvalid`/`pa.ArrowTypeError` when a present column cannot be cast safely.
+    """
+    n = table.num_rows
+    columns, fields = [], []
+    for field in TRACE_SCHEMA:
+        if field.name in table.column_names:
+            col = table.column(field.name)
+            if not col.type.equals(field.type):
+                col = col.cast(field.type, safe=True)
+        else:
+            col = pa.nulls(n, field.type)
+        columns.append(col)
+        fields.append(field)
+    for name in table.column_names:
+        if name not in TRACE_SCHEMA.names:
+            columns.append(table.column(name))
+            fields.append(table.schema.field(name))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=table.schema.metadata))

@@ -1,0 +1,122 @@
+"""Reading and writing trace files (Parquet, zstd, row groups sized for streaming)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import TraceFormatError
+from .schema import (
+    META_BLOCK_SIZE,
+    META_CREATED,
+    META_SOURCE,
+    META_VERSION,
+    SCHEMA_VERSION,
+    conform,
+)
+
+# ~64K requests per row group keeps a group at a few MB, small enough to stream, large enough to compress well.
+ROW_GROUP_SIZE = 65_536
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    block_size: int
+    source: dict
+    created: str
+    schema_version: str = SCHEMA_VERSION
+
+    def to_arrow(self) -> dict[bytes, bytes]:
+        return {
+            META_VERSION.encode(): self.schema_version.encode(),
+            META_BLOCK_SIZE.encode(): str(self.block_size).encode(),
+            META_SOURCE.encode(): json.dumps(self.source, sort_keys=True).encode(),
+            META_CREATED.encode(): self.created.encode(),
+        }
+
+    @classmethod
+    def from_arrow(cls, metadata: dict[bytes, bytes] | None, path: str | Path) -> "TraceMeta":
+        md = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
+        if META_VERSION not in md or META_BLOCK_SIZE not in md:
+            raise TraceFormatError(
+                f"{path}: not a kvbench trace (file metadata lacks {META_VERSION}/{META_BLOCK_SIZE}); "
+                "convert it with `kvbench trace import`"
+            )
+        if md[META_VERSION] != SCHEMA_VERSION:
+            raise TraceFormatError(
+                f"{path}: trace schema version {md[META_VERSION]!r} is not supported "
+                f"(this kvbench reads version {SCHEMA_VERSION})"
+            )
+        try:
+            block_size = int(md[META_BLOCK_SIZE])
+        except ValueError:
+            raise TraceFormatError(f"{path}: metadata {META_BLOCK_SIZE}={md[META_BLOCK_SIZE]!r} is not an integer")
+        if block_size <= 0:
+            raise TraceFormatError(f"{path}: metadata {META_BLOCK_SIZE}={block_size} must be > 0")
+        try:
+            source = json.loads(md.get(META_SOURCE, "{}"))
+        except json.JSONDecodeError:
+            source = {"raw": md.get(META_SOURCE)}
+        return cls(block_size=block_size, source=source, created=md.get(META_CREATED, ""))
+
+
+def new_meta(block_size: int, source: dict) -> TraceMeta:
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return TraceMeta(block_size=block_size, source=source, created=created)
+
+
+def write_trace(table: pa.Table, path: str | Path, meta: TraceMeta, row_group_size: int = ROW_GROUP_SIZE) -> Path:
+    """Write `table` (conformed to the v1 schema) with `meta` as file metadata. Returns the path."""
+    path = Path(path)
+    table = conform(table)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta.to_arrow()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_size)
+    tmp.replace(path)  # a crash never leaves a half-written trace under the final name
+    return path
+
+
+def _open(path: str | Path) -> pq.ParquetFile:
+    path = Path(path)
+    if not path.exists():
+        raise TraceFormatError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise TraceFormatError(f"{path}: file is empty")
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TraceFormatError(f"{path}: not a readable Parquet file ({exc}); was it truncated?") from None
+
+
+def read_meta(path: str | Path) -> TraceMeta:
+    return TraceMeta.from_arrow(_open(path).schema_arrow.metadata, path)
+
+
+def read_trace(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, TraceMeta]:
+    """Read a whole trace. Does not validate: call `kvbench.validate.check` before replaying."""
+    pf = _open(path)
+    meta = TraceMeta.from_arrow(pf.schema_arrow.metadata, path)
+    try:
+        table = pf.read(columns=columns)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TraceFormatError(f"{path}: Parquet data is corrupt ({exc}); was it truncated?") from None
+    return table, meta
+
+
+def iter_batches(
+    path: str | Path, columns: list[str] | None = None, batch_size: int = ROW_GROUP_SIZE
+) -> Iterator[pa.RecordBatch]:
+    """Stream a trace in record batches, so that traces larger than memory can be scanned."""
+    pf = _open(path)
+    TraceMeta.from_arrow(pf.schema_arrow.metadata, path)
+    try:
+        yield from pf.iter_batches(batch_size=batch_size, columns=columns)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TraceFormatError(f"{path}: Parquet data is corrupt ({exc}); was it truncated?") from None

@@ -1,0 +1,236 @@
+"""Trace validation: every rule of DESIGN.md section 3, each violation named by column and row."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import ValidationFailed
+from .schema import REQUIRED_COLUMNS, TRACE_SCHEMA
+
+ROWS_SHOWN = 5  # rows listed per rule; the rest are counted
+
+
+@dataclass
+class Violation:
+    column: str
+    rule: str
+    rows: list[int]  # first ROWS_SHOWN offending rows (0-based); empty for a file-level problem
+    count: int  # how many rows break the rule in total
+
+    def describe(self) -> str:
+        if not self.rows:
+            return f"column {self.column!r}: {self.rule}"
+        more = f" (and {self.count - len(self.rows)} more)" if self.count > len(self.rows) else ""
+        rows = ", ".join(map(str, self.rows))
+        noun = "row" if len(self.rows) == 1 else "rows"
+        return f"column {self.column!r} {noun} {rows}{more}: {self.rule}"
+
+
+@dataclass
+class ValidationReport:
+    source: str
+    rows: int
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def add(self, column: str, rule: str, mask_or_rows) -> None:
+        rows = np.flatnonzero(mask_or_rows) if getattr(mask_or_rows, "dtype", None) == bool else np.asarray(
+            mask_or_rows, dtype=np.int64
+        )
+        if rows.size:
+            self.violations.append(Violation(column, rule, rows[:ROWS_SHOWN].tolist(), int(rows.size)))
+
+    def add_file(self, column: str, rule: str) -> None:
+        self.violations.append(Violation(column, rule, [], 0))
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"{self.source}: valid ({self.rows} requests)"
+        head = f"{self.source}: {len(self.violations)} rule(s) violated"
+        return head + "\n" + "\n".join("  - " + v.describe() for v in self.violations)
+
+
+def _np(col: pa.ChunkedArray, fill) -> np.ndarray:
+    return col.fill_null(fill).to_numpy(zero_copy_only=False)
+
+
+def _check_types(table: pa.Table, report: ValidationReport) -> pa.Table | None:
+    """Cast known columns to the schema; report columns that cannot be cast, with the first bad rows."""
+    for name in REQUIRED_COLUMNS:
+        if name not in table.column_names:
+            report.add_file(name, "required column is missing")
+    good = {}
+    for f in TRACE_SCHEMA:
+        if f.name not in table.column_names:
+            continue
+        col = table.column(f.name)
+        try:
+            good[f.name] = col.cast(f.type, safe=True) if not col.type.equals(f.type) else col
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            bad = []
+            for i, v in enumerate(col.to_pylist()):
+                try:
+                    pa.array([v]).cast(f.type, safe=True)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                    bad.append(i)
+            rule = f"has type {col.type}, expected {f.type}"
+            if bad:
+                report.add(f.name, f"value cannot be converted ({rule})", bad)
+            else:
+                report.add_file(f.name, rule)
+    if not report.ok:
+        return None
+    return pa.table(good)
+
+
+def _check_ids(t: pa.Table, report: ValidationReport) -> dict[str, int]:
+    ids = t.column("request_id")
+    report.add("request_id", "must not be null", _np(ids.is_null(), False))
+    values = ids.fill_null("").to_numpy(zero_copy_only=False)
+    _, first, counts = np.unique(values, return_index=True, return_counts=True)
+    dup_mask = np.ones(values.size, dtype=bool)
+    dup_mask[first] = False
+    if counts.max(initial=1) > 1:
+        report.add("request_id", "duplicate request_id (an earlier row has the same id)", dup_mask)
+    return {v: i for i, v in enumerate(values.tolist())}
+
+
+def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> None:
+    n = t.num_rows
+    for name in REQUIRED_COLUMNS:
+        if name != "request_id":
+            report.add(name, "must not be null", _np(t.column(name).is_null(), False))
+    arrival = _np(t.column("arrival_s"), 0.0)
+    report.add("arrival_s", "must be finite and >= 0 (seconds since trace start)", ~np.isfinite(arrival) | (arrival < 0))
+    if n > 1:
+        report.add("arrival_s", "arrivals must be non-decreasing (sort the trace by arrival)",
+                   np.concatenate([[False], arrival[1:] < arrival[:-1]]))
+    inp = _np(t.column("input_tokens"), 1).astype(np.int64)
+    out = _np(t.column("output_tokens"), 0).astype(np.int64)
+    report.add("input_tokens", "must be > 0", inp <= 0)
+    report.add("output_tokens", "must be >= 0", out < 0)
+
+    hashes = t.column("block_hashes")
+    report.add("block_hashes", "must not be null", _np(hashes.is_null(), False))
+    lengths = _np(pc.list_value_length(hashes), 0).astype(np.int64)
+    expected = -(-np.maximum(inp, 0) // block_size)
+    report.add(
+        "block_hashes",
+        f"length must be ceil(input_tokens / block_size={block_size})",
+        (lengths != expected) & (inp > 0) & ~_np(hashes.is_null(), True),
+    )
+
+    def optional(name, fill, rule, bad):
+        col = t.column(name)
+        if col.null_count < n:
+            values = _np(col, fill)
+            report.add(name, rule, bad(values) & ~_np(col.is_null(), True))
+
+    optional("turn", 0, "must be >= 0", lambda v: v < 0)
+    optional("think_time_s", 0.0, "must be finite and >= 0 (seconds)", lambda v: ~np.isfinite(v) | (v < 0))
+    optional("reasoning_tokens", 0, "must be between 0 and output_tokens", lambda v: (v < 0) | (v > out))
+    optional("priority", 35, "must be between 0 and 100", lambda v: (v < 0) | (v > 100))
+    for slo in ("slo_ttft_ms", "slo_tpot_ms"):
+        optional(slo, 1.0, "must be > 0 (milliseconds)", lambda v: ~(v > 0))
+
+    mm = t.column("mm_items")
+    if mm.null_count < n:
+        flat = pc.list_flatten(mm)
+        parents = _np(pc.list_parent_indices(mm), 0)
+        if len(flat):
+            off = _np(flat.field("offset"), -1)
+            tok = _np(flat.field("tokens"), 0)
+            bad = (off < 0) | (tok <= 0) | (off + tok > inp[parents]) | _np(flat.field("hash").is_null(), True)
+            bad |= _np(flat.field("modality").is_null(), True)
+            report.add("mm_items", "each item needs a hash, a modality, offset >= 0, tokens > 0 and "
+                       "offset + tokens <= input_tokens", np.unique(parents[bad]))
+
+
+def _check_references(t: pa.Table, index: dict[str, int], report: ValidationReport) -> None:
+    parent = t.column("parent_id").to_pylist()
+    dangling = [i for i, p in enumerate(parent) if p is not None and p not in index]
+    report.add("parent_id", "refers to a request_id that is not in the trace", dangling)
+
+    deps = t.column("depends_on")
+    if deps.null_count == t.num_rows:
+        return
+    graph: dict[int, list[int]] = defaultdict(list)
+    missing, backward = [], False
+    for row, dlist in enumerate(deps.to_pylist()):
+        for d in dlist or ():
+            j = index.get(d)
+            if j is None:
+                missing.append(row)
+            else:
+                graph[row].append(j)
+                backward |= j >= row
+    report.add("depends_on", "refers to a request_id that is not in the trace", sorted(set(missing)))
+    if backward:  # only an edge to the same or a later row can close a cycle
+        cyclic = _rows_on_cycles(graph)
+        report.add("depends_on", "dependency cycle (requests that wait for each other)", cyclic)
+
+
+def _rows_on_cycles(graph: dict[int, list[int]]) -> list[int]:
+    """Rows that lie on a dependency cycle (iterative DFS: a back edge to a node on the path closes one)."""
+    state: dict[int, int] = {}  # 1 = on stack, 2 = done
+    on_cycle: set[int] = set()
+    for root in list(graph):
+        if root in state:
+            continue
+        stack = [(root, iter(graph.get(root, ())))]
+        path = [root]
+        state[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(nxt) == 1:
+                on_cycle.update(path[path.index(nxt):])
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(graph.get(nxt, ()))))
+    return sorted(on_cycle)
+
+
+def validate_table(table: pa.Table, block_size: int, source: str = "<table>") -> ValidationReport:
+    report = ValidationReport(source=source, rows=table.num_rows)
+    if table.num_rows == 0:
+        report.add_file("request_id", "trace has no requests")
+        return report
+    typed = _check_types(table, report)
+    if typed is None:
+        return report
+    for f in TRACE_SCHEMA:
+        if f.name not in typed.column_names:
+            typed = typed.append_column(f.name, pa.nulls(typed.num_rows, f.type))
+    index = _check_ids(typed, report)
+    _check_numbers(typed, block_size, report)
+    _check_references(typed, index, report)
+    return report
+
+
+def validate_file(path: str | Path) -> ValidationReport:
+    from .traceio import read_trace
+
+    table, meta = read_trace(path)
+    return validate_table(table, meta.block_size, source=str(path))
+
+
+def check(table: pa.Table, block_size: int, source: str) -> None:
+    """Raise ValidationFailed unless the trace is valid: a trace that fails is never replayed."""
+    report = validate_table(table, block_size, source)
+    if not report.ok:
+        raise ValidationFailed(report)
