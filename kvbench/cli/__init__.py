@@ -1,0 +1,44 @@
+"""The `kvbench` command line. Subcommand groups live in sibling modules and are attached here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import pyarrow as pa
+
+from .. import __version__
+from ..errors import KvbenchError
+
+
+class FriendlyGroup(click.Group):
+    """Turns expected failures into one clear line on stderr and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KvbenchError as exc:
+            click.secho(f"error: {exc}", fg="red", err=True)
+            sys.exit(exc.exit_code)
+        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+            if os.environ.get("KVBENCH_DEBUG"):
+                raise
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            click.secho(f"error: {msg}", fg="red", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="kvbench")
+def main() -> None:
+    """kvbench: replay LLM-serving workload traces through KV-cache simulators, real tensors and live
+    engines, and report hit rates, fairness and latency.
+
+    Set KVBENCH_DEBUG=1 to see Python tracebacks instead of one-line errors.
+    """
+
+
+from .trace import trace  # noqa: E402  (attach subcommands after `main` exists)
+
+main.add_command(trace)

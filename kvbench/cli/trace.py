@@ -1,0 +1,172 @@
+"""`kvbench trace …`: generate, import, export, inspect and validate workload traces."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+
+import click
+
+from .. import generators, importers
+from ..errors import ValidationFailed
+from ..export import EXPORTERS
+from ..stats import DEFAULT_WARMUP, trace_info
+from ..traceio import read_trace, write_trace
+from ..validate import validate_table
+from .render import console, info_markdown, print_info
+
+
+@click.group()
+def trace() -> None:
+    """Create and inspect workload traces (Parquet, schema v1)."""
+
+
+# --- gen: one subcommand per registered generator, options built from its parameter dataclass ----------
+
+
+def _param_option(field: dataclasses.Field) -> click.Option:
+    flag = "--" + field.name.replace("_", "-")
+    kind = {bool: bool, int: int, float: float}.get(type(field.default), str)
+    return click.Option([flag, field.name], type=kind, default=field.default, show_default=True,
+                        help=field.metadata.get("help", ""))
+
+
+def _gen_command(gen: generators.Generator) -> click.Command:
+    def run(n, seed, block_size, out, **params):
+        out = Path(out or f"{gen.name}-n{n}-s{seed}.parquet")
+        with console.status(f"generating {n:,} {gen.name} requests"):
+            table, meta = gen.run(n, seed=seed, block_size=block_size, **params)
+            report = validate_table(table, block_size, source=f"generated {gen.name}")
+        if not report.ok:  # a generator bug must never produce a file that looks fine
+            raise ValidationFailed(report)
+        write_trace(table, out, meta)
+        click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {block_size})")
+
+    options = [
+        click.Option(["-n", "--requests", "n"], type=click.IntRange(min=1), default=1000, show_default=True,
+                     help="number of requests to generate"),
+        click.Option(["--seed"], type=int, default=0, show_default=True,
+                     help="random seed; same parameters and seed give an identical trace"),
+        click.Option(["--block-size"], type=click.IntRange(min=1), default=generators.DEFAULT_BLOCK_SIZE,
+                     show_default=True, help="tokens per hash block (the cache's block/page size)"),
+        click.Option(["-o", "--out"], type=click.Path(dir_okay=False),
+                     help="output Parquet file [default: KIND-nN-sSEED.parquet]"),
+    ] + [_param_option(f) for f in dataclasses.fields(gen.params_type)]
+    return click.Command(gen.name, callback=run, params=options, help=gen.summary, short_help=gen.summary)
+
+
+class _GenGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(generators.registry())
+
+    def get_command(self, ctx, name):
+        gens = generators.registry()
+        return _gen_command(gens[name]) if name in gens else None
+
+
+@trace.group(cls=_GenGroup)
+def gen() -> None:
+    """Generate a seeded synthetic trace of one workload kind (see `kvbench trace gen KIND --help`)."""
+
+
+# --- import / export ---------------------------------------------------------------------------------
+
+
+@trace.command("import")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(list(importers.registry())))
+@click.argument("src", type=click.Path(exists=True))
+@click.option("-o", "--out", type=click.Path(dir_okay=False), required=True, help="output Parquet trace")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="tokens per hash block of the source [default: the format's own: mooncake 512, bailian 16, "
+                   "azure/burstgpt 16, kv-cache-tester 64]")
+@click.option("--time-unit", type=click.Choice(["s", "ms", "us"]), default=None,
+              help="unit of the source's timestamps, when it differs from the format's documented one")
+@click.option("--workload", default=None, help="workload label to put on every request [default: per format]")
+def import_(fmt, src, out, block_size, time_unit, workload):
+    """Convert a public trace (FORMAT SRC) into a kvbench trace; the result is validated before writing."""
+    reader = importers.get(fmt).read
+    accepted = inspect.signature(reader).parameters
+    opts = {k: v for k, v in {"block_size": block_size, "time_unit": time_unit, "workload": workload}.items()
+            if v is not None}
+    unsupported = [k for k in opts if k not in accepted]
+    if unsupported:
+        raise click.UsageError(f"format {fmt} does not take --{unsupported[0].replace('_', '-')}")
+    with console.status(f"importing {src}"):
+        table, meta = reader(Path(src), **opts)
+        report = validate_table(table, meta.block_size, source=str(src))
+    if not report.ok:
+        raise ValidationFailed(report)
+    write_trace(table, out, meta)
+    click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {meta.block_size})")
+
+
+@trace.command("export")
+@click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(list(EXPORTERS)), default="mooncake", show_default=True,
+              help="target format (mooncake JSONL is read by AIPerf, `vllm bench serve` and GuideLLM)")
+@click.option("-o", "--out", type=click.Path(dir_okay=False), help="output file [default: TRACE with .jsonl]")
+@click.option("--renumber", is_flag=True,
+              help="renumber block ids 0,1,2,… by first appearance (some replayers expect small ids)")
+def export(trace_path, fmt, out, renumber):
+    """Write a kvbench trace in another tool's format."""
+    table, meta = _read_valid(trace_path)
+    out = Path(out or Path(trace_path).with_suffix(".jsonl"))
+    EXPORTERS[fmt](table, meta, out, renumber=renumber)
+    click.echo(f"wrote {out} ({table.num_rows:,} requests, {fmt}, block size {meta.block_size})")
+
+
+# --- info / validate ---------------------------------------------------------------------------------
+
+
+def _read_valid(path):
+    table, meta = read_trace(path)
+    report = validate_table(table, meta.block_size, source=str(path))
+    if not report.ok:
+        raise ValidationFailed(report)
+    return table, meta
+
+
+@trace.command()
+@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON (stable keys)")
+@click.option("--warmup", type=click.FloatRange(0, 1, max_open=True), default=DEFAULT_WARMUP, show_default=True,
+              help="fraction of requests (by arrival) excluded from the steady-state hit rate")
+@click.option("--markdown", type=click.Path(dir_okay=False), help="also write the statistics as a Markdown report")
+def info(trace_path, as_json, warmup, markdown):
+    """Counts, duration, rates, length percentiles, per-workload/tenant breakdowns, unique blocks and the
+    infinite-cache prefix hit rate (all requests and steady state)."""
+    table, meta = _read_valid(trace_path)
+    with console.status("computing statistics"):
+        stats = trace_info(table, meta.block_size, warmup)
+    stats = {"trace": str(trace_path), "source": meta.source, **stats}
+    if markdown:
+        Path(markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(markdown).write_text(info_markdown(stats))
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+    else:
+        print_info(stats)
+        if markdown:
+            click.echo(f"report written to {markdown}")
+
+
+@trace.command()
+@click.argument("paths", metavar="TRACE…", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print every violation as JSON")
+def validate(paths, as_json):
+    """Check traces against schema v1; lists every violation by column and row, exits 1 if any."""
+    reports = []
+    for path in paths:
+        table, meta = read_trace(path)
+        reports.append(validate_table(table, meta.block_size, source=str(path)))
+    if as_json:
+        click.echo(json.dumps([{"source": r.source, "rows": r.rows, "ok": r.ok,
+                                "violations": [dataclasses.asdict(v) for v in r.violations]} for r in reports],
+                              indent=2))
+    else:
+        for r in reports:
+            click.echo(r.summary())
+    if not all(r.ok for r in reports):
+        raise SystemExit(1)

@@ -1,0 +1,54 @@
+"""A weighted blend of the other workload kinds in one trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from . import generator, get, param
+
+
+@dataclass(frozen=True)
+class MixParams:
+    weights: str = param(
+        "chat=0.4,agent=0.2,multimodal=0.15,reasoning=0.1,multi-tenant=0.15",
+        "share of requests per kind, as kind=weight pairs separated by commas (normalised to 1)",
+    )
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    weights = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, sep, value = part.partition("=")
+        try:
+            weights[kind.strip()] = float(value) if sep else float("nan")
+        except ValueError:
+            weights[kind.strip()] = float("nan")
+        if not weights[kind.strip()] >= 0:
+            raise ValueError(f"mix weight {part!r} must look like kind=weight with weight >= 0")
+    if not weights or sum(weights.values()) <= 0:
+        raise ValueError("mix weights must name at least one kind with a weight > 0")
+    if "mix" in weights:
+        raise ValueError("a mix cannot contain itself")
+    return weights
+
+
+@generator("mix", MixParams)
+def mix(p: MixParams, n: int, seed: int, block_size: int) -> pa.Table:
+    """A weighted blend of the other kinds; each keeps its own arrival process, merged on one clock."""
+    weights = parse_weights(p.weights)
+    kinds = list(weights)
+    share = np.array([weights[k] for k in kinds]) / sum(weights.values())
+    # Largest-remainder rounding so the counts add up to exactly n.
+    counts = np.floor(share * n).astype(int)
+    counts[np.argsort(-(share * n - counts), kind="stable")[: n - counts.sum()]] += 1
+    parts = []
+    for i, (kind, count) in enumerate(zip(kinds, counts)):
+        if count > 0:
+            table, _ = get(kind).run(int(count), seed=seed * 1000 + i, block_size=block_size)
+            parts.append(table)
+    table = pa.concat_tables(parts, promote_options="permissive").unify_dictionaries()
+    order = np.argsort(np.asarray(table.column("arrival_s")), kind="stable")
+    return table.take(order).combine_chunks()
