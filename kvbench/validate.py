@@ -144,13 +144,14 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
 
     mm = t.column("mm_items")
     if mm.null_count < n:
+        mm = mm.combine_chunks()
         flat = pc.list_flatten(mm)
-        parents = _np(pc.list_parent_indices(mm), 0)
+        parents = np.asarray(pc.list_parent_indices(mm))
         if len(flat):
-            off = _np(flat.field("offset"), -1)
-            tok = _np(flat.field("tokens"), 0)
-            bad = (off < 0) | (tok <= 0) | (off + tok > inp[parents]) | _np(flat.field("hash").is_null(), True)
-            bad |= _np(flat.field("modality").is_null(), True)
+            off = _np(pc.struct_field(flat, "offset"), -1)
+            tok = _np(pc.struct_field(flat, "tokens"), 0)
+            bad = (off < 0) | (tok <= 0) | (off + tok > inp[parents])
+            bad |= _np(pc.struct_field(flat, "hash").is_null(), True) | _np(pc.struct_field(flat, "modality").is_null(), True)
             report.add("mm_items", "each item needs a hash, a modality, offset >= 0, tokens > 0 and "
                        "offset + tokens <= input_tokens", np.unique(parents[bad]))
 

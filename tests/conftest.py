@@ -1,0 +1,40 @@
+import math
+
+import pyarrow as pa
+import pytest
+
+MOONCAKE = "../shared/traces/mooncake/conversation_trace.jsonl"
+
+
+def make_trace(n=6, block_size=4, **overrides) -> pa.Table:
+    """A small valid trace built by hand: request i continues request i-1 and depends on it."""
+    inp = [3 + 2 * i for i in range(n)]
+    cols = {
+        "request_id": [f"r{i}" for i in range(n)],
+        "arrival_s": [0.5 * i for i in range(n)],
+        "input_tokens": inp,
+        "output_tokens": [i for i in range(n)],
+        "block_hashes": [list(range(100 * i, 100 * i + math.ceil(t / block_size))) for i, t in enumerate(inp)],
+        "parent_id": [None] + [f"r{i}" for i in range(n - 1)],
+        "depends_on": [[]] + [[f"r{i}"] for i in range(n - 1)],
+    }
+    cols.update(overrides)
+    from kvbench.schema import conform
+
+    types = {"block_hashes": pa.list_(pa.uint64())}
+    return conform(pa.table({k: v if isinstance(v, pa.Array) else pa.array(v, types.get(k)) for k, v in cols.items()}))
+
+
+@pytest.fixture
+def small_trace():
+    return make_trace()
+
+
+@pytest.fixture(scope="session")
+def mooncake_path():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / MOONCAKE
+    if not path.exists():
+        pytest.skip(f"{path} not present (shared traces)")
+    return path

@@ -1,0 +1,81 @@
+"""Properties every registered generator must have, plus chat and mix specifics."""
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbench.generators import get, registry
+from kvbench.stats import infinite_cache_hits
+from kvbench.validate import validate_table
+
+KINDS = sorted(registry())
+
+
+def test_all_five_kinds_and_mix_are_registered():
+    assert {"chat", "agent", "multimodal", "reasoning", "multi-tenant", "mix"} <= set(KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deterministic_per_seed(kind):
+    a, _ = get(kind).run(300, seed=7)
+    b, _ = get(kind).run(300, seed=7)
+    c, _ = get(kind).run(300, seed=8)
+    assert a.equals(b)
+    assert not a.equals(c)
+    assert a.num_rows == 300
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(KINDS), n=st.integers(1, 400), seed=st.integers(0, 2**31),
+       block_size=st.sampled_from([16, 32, 64, 512]))
+def test_generated_traces_always_validate(kind, n, seed, block_size):
+    table, meta = get(kind).run(n, seed=seed, block_size=block_size)
+    assert meta.block_size == block_size and meta.source["generator"] == kind
+    report = validate_table(table, block_size)
+    assert report.ok, report.summary()
+
+
+def _rows(table):
+    return {r["request_id"]: r for r in table.to_pylist()}
+
+
+def test_chat_turn_extends_previous_prompt_and_answer():
+    table, meta = get("chat").run(2000, seed=3)
+    bs = meta.block_size
+    rows = _rows(table)
+    checked = 0
+    for r in rows.values():
+        if r["parent_id"] is None:
+            continue
+        prev = rows[r["parent_id"]]
+        assert r["session_id"] == prev["session_id"] and r["turn"] == prev["turn"] + 1
+        assert r["arrival_s"] >= prev["arrival_s"]
+        # prompt = previous prompt + previous answer + new user text (> 0 tokens)
+        assert r["input_tokens"] > prev["input_tokens"] + prev["output_tokens"]
+        full = prev["input_tokens"] // bs  # full blocks of the previous prompt are shared verbatim
+        assert r["block_hashes"][:full] == prev["block_hashes"][:full]
+        checked += 1
+    assert checked > 500
+
+
+def test_chat_system_prompts_are_shared_across_sessions():
+    table, meta = get("chat").run(3000, seed=1, system_tokens_mean=2000.0)
+    first = table.filter(pc.equal(table.column("turn"), 0))
+    heads = [h[0] for h in first.column("block_hashes").to_pylist()]
+    values, counts = np.unique(np.array(heads, dtype=np.uint64), return_counts=True)
+    assert counts.max() > 10  # a popular system prompt opens many conversations
+    assert len(values) <= 16
+    hits = infinite_cache_hits(table.column("block_hashes"))
+    assert hits.sum() > 0
+
+
+def test_mix_blends_kinds_by_weight():
+    table, _ = get("mix").run(1000, seed=2, weights="chat=3,reasoning=1")
+    kinds = table.column("workload").cast("string").to_pylist()
+    assert kinds.count("chat") == 750 and kinds.count("reasoning") == 250
+    arrival = table.column("arrival_s").to_numpy()
+    assert np.all(np.diff(arrival) >= 0)
+    with pytest.raises(ValueError, match="kind=weight"):
+        get("mix").run(10, weights="chat")
