@@ -1,9 +1,20 @@
 import math
+import os
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-MOONCAKE = "../shared/traces/mooncake/conversation_trace.jsonl"
+REPO = Path(__file__).resolve().parents[1]
+# Public traces live beside the repository (../shared/traces), or wherever KVBENCH_SHARED points.
+SHARED_TRACES = Path(os.environ.get("KVBENCH_SHARED", REPO.parent / "shared")) / "traces"
+
+
+def shared_trace(relative: str) -> Path:
+    path = SHARED_TRACES / relative
+    if not path.exists():
+        pytest.skip(f"{path} not present (set KVBENCH_SHARED to the folder holding traces/)")
+    return path
 
 
 def make_trace(n=6, block_size=4, **overrides) -> pa.Table:
@@ -32,9 +43,4 @@ def small_trace():
 
 @pytest.fixture(scope="session")
 def mooncake_path():
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / MOONCAKE
-    if not path.exists():
-        pytest.skip(f"{path} not present (shared traces)")
-    return path
+    return shared_trace("mooncake/conversation_trace.jsonl")
