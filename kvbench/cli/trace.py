@@ -28,9 +28,11 @@ def trace() -> None:
 
 def _param_option(field: dataclasses.Field) -> click.Option:
     flag = "--" + field.name.replace("_", "-")
-    kind = {bool: bool, int: int, float: float}.get(type(field.default), str)
-    return click.Option([flag, field.name], type=kind, default=field.default, show_default=True,
-                        help=field.metadata.get("help", ""))
+    help = field.metadata.get("help", "")
+    if isinstance(field.default, bool):
+        return click.Option([f"{flag}/--no-{flag[2:]}", field.name], default=field.default, show_default=True, help=help)
+    kind = {int: int, float: float}.get(type(field.default), str)
+    return click.Option([flag, field.name], type=kind, default=field.default, show_default=True, help=help)
 
 
 def _gen_command(gen: generators.Generator) -> click.Command:

@@ -93,3 +93,13 @@ def test_bad_input_names_file_and_line(tmp_path, content, match):
     with pytest.raises(TraceFormatError, match=match) as info:
         get("mooncake").read(src, block_size=512)
     assert "bad.jsonl" in str(info.value)
+
+
+def test_committed_parquet_matches_reference_numbers():
+    from ..conftest import REPO
+
+    table, meta = read_trace(REPO / "traces/mooncake/conversation_trace.parquet")
+    info = trace_info(table, meta.block_size)
+    assert (info["requests"], info["blocks"]["references"], info["blocks"]["unique"]) == (12031, 288500, 182790)
+    assert round(info["infinite_cache_hit_rate"]["token"]["all"], 4) == 0.3736
+    assert round(info["infinite_cache_hit_rate"]["token"]["steady"], 4) == 0.3981
