@@ -69,6 +69,10 @@ def content_ids(namespace: np.uint64, index) -> np.ndarray:
     return mix(namespace, np.asarray(index, dtype=np.int64).astype(np.uint64))
 
 
+# Requests hashed per pass: bounds the piece arrays (several int64 arrays per piece) to a few hundred MB.
+CHUNK_REQUESTS = 131_072
+
+
 def prompt_block_ids(
     seg_request: np.ndarray,
     seg_content: np.ndarray,
@@ -87,6 +91,19 @@ def prompt_block_ids(
     seg_tokens = np.asarray(seg_tokens, dtype=np.int64)
     if seg_request.size and np.any(np.diff(seg_request) < 0):
         raise ValueError("segments must be grouped by request in order")
+    if n_requests <= CHUNK_REQUESTS:
+        return _prompt_block_ids(seg_request, seg_content, seg_tokens, n_requests, block_size)
+    tokens, lists = [], []
+    for lo in range(0, n_requests, CHUNK_REQUESTS):
+        hi = min(lo + CHUNK_REQUESTS, n_requests)
+        a, b = np.searchsorted(seg_request, [lo, hi])
+        t, ids = _prompt_block_ids(seg_request[a:b] - lo, seg_content[a:b], seg_tokens[a:b], hi - lo, block_size)
+        tokens.append(t)
+        lists.append(ids)
+    return np.concatenate(tokens), pa.concat_arrays(lists)
+
+
+def _prompt_block_ids(seg_request, seg_content, seg_tokens, n_requests: int, block_size: int):
     keep = seg_tokens > 0
     seg_request, seg_content, seg_tokens = seg_request[keep], seg_content[keep], seg_tokens[keep]
 
