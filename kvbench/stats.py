@@ -119,7 +119,7 @@ def trace_info(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP)
     )
 
     def distinct(name):
-        col = table.column(name)
+        col = text_col(name)
         return int(pc.count_distinct(col).as_py()) if col.null_count < n else 0
 
     return {
