@@ -76,32 +76,47 @@ def gen() -> None:
 # --- import / export ---------------------------------------------------------------------------------
 
 
-@trace.command("import")
-@click.argument("fmt", metavar="FORMAT", type=click.Choice(list(importers.registry())))
-@click.argument("src", type=click.Path(exists=True))
-@click.option("-o", "--out", type=click.Path(dir_okay=False), required=True, help="output Parquet trace")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="tokens per hash block of the source [default: the format's own: mooncake 512, bailian 16, "
-                   "azure/burstgpt 16, kv-cache-tester 64]")
-@click.option("--time-unit", type=click.Choice(["s", "ms", "us"]), default=None,
-              help="unit of the source's timestamps, when it differs from the format's documented one")
-@click.option("--workload", default=None, help="workload label to put on every request [default: per format]")
-def import_(fmt, src, out, block_size, time_unit, workload):
-    """Convert a public trace (FORMAT SRC) into a kvbench trace; the result is validated before writing."""
-    reader = importers.get(fmt).read
-    accepted = inspect.signature(reader).parameters
-    opts = {k: v for k, v in {"block_size": block_size, "time_unit": time_unit, "workload": workload}.items()
-            if v is not None}
-    unsupported = [k for k in opts if k not in accepted]
-    if unsupported:
-        raise click.UsageError(f"format {fmt} does not take --{unsupported[0].replace('_', '-')}")
-    with console.status(f"importing {src}"):
-        table, meta = reader(Path(src), **opts)
-        report = validate_table(table, meta.block_size, source=str(src))
-    if not report.ok:
-        raise ValidationFailed(report)
-    write_trace(table, out, meta)
-    click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {meta.block_size})")
+def _import_command(imp: importers.Importer) -> click.Command:
+    def run(src, out, **options):
+        options = {k: v for k, v in options.items() if v is not None}
+        with console.status(f"importing {src}"):
+            table, meta = imp.read(Path(src), **options)
+            report = validate_table(table, meta.block_size, source=str(src))
+        if not report.ok:
+            raise ValidationFailed(report)
+        write_trace(table, out, meta)
+        click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {meta.block_size})")
+
+    params = [
+        click.Argument(["src"], type=click.Path(exists=True)),
+        click.Option(["-o", "--out"], type=click.Path(dir_okay=False), required=True, help="output Parquet trace"),
+    ]
+    for name, p in list(inspect.signature(imp.read).parameters.items())[1:]:
+        flag, help = "--" + name.replace("_", "-"), imp.option_help.get(name, "")
+        if isinstance(p.default, bool):
+            params.append(click.Option([flag, name], is_flag=True, default=p.default, help=help))
+        elif name == "time_unit":
+            params.append(click.Option([flag, name], type=click.Choice(["s", "ms", "us"]), default=None, help=help))
+        else:
+            kind = {int: int, float: float}.get(type(p.default), int if name == "block_size" else str)
+            params.append(click.Option([flag, name], type=kind, default=p.default, help=help,
+                                       show_default=p.default is not None))
+    return click.Command(imp.name, callback=run, params=params, short_help=imp.summary,
+                         help=f"{imp.summary}\n\nThe result is validated before it is written.")
+
+
+class _ImportGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(importers.registry())
+
+    def get_command(self, ctx, name):
+        imps = importers.registry()
+        return _import_command(imps[name]) if name in imps else None
+
+
+@trace.group("import", cls=_ImportGroup)
+def import_() -> None:
+    """Convert a public trace into a kvbench trace: `kvbench trace import FORMAT SRC -o OUT.parquet`."""
 
 
 @trace.command("export")

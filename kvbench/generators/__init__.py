@@ -36,6 +36,7 @@ class Generator:
         return table, new_meta(block_size, source)
 
 
+_loaded = False
 _REGISTRY: dict[str, Generator] = {}
 
 
@@ -51,7 +52,9 @@ def generator(name: str, params_type: type):
 
 
 def registry() -> dict[str, Generator]:
-    if not _REGISTRY:
+    global _loaded
+    if not _loaded:  # import every module once; each registers itself on import
+        _loaded = True
         for mod in pkgutil.iter_modules(__path__):
             if not mod.name.startswith("_"):
                 importlib.import_module(f"{__name__}.{mod.name}")

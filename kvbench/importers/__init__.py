@@ -16,27 +16,41 @@ from typing import Callable, Iterator
 from ..errors import TraceFormatError
 
 
+# Help for the keyword options importers commonly take; an importer adds its own through `options=`.
+COMMON_OPTIONS = {
+    "block_size": "tokens per hash block of the source (the format documents its own)",
+    "time_unit": "unit of the source's timestamps (s, ms or us) when it differs from the format's documented one",
+    "workload": "workload label to put on every request [default: per format]",
+}
+
+
 @dataclass(frozen=True)
 class Importer:
     name: str
     read: Callable
     summary: str
+    option_help: dict[str, str]
 
 
+_loaded = False
 _REGISTRY: dict[str, Importer] = {}
 
 
-def importer(name: str):
+def importer(name: str, options: dict[str, str] | None = None):
+    """Register `fn(src, **options)`; `options` documents its keyword options beyond COMMON_OPTIONS."""
+
     def wrap(fn):
         summary = (fn.__doc__ or name).strip().splitlines()[0]
-        _REGISTRY[name] = Importer(name, fn, summary)
+        _REGISTRY[name] = Importer(name, fn, summary, {**COMMON_OPTIONS, **(options or {})})
         return fn
 
     return wrap
 
 
 def registry() -> dict[str, Importer]:
-    if not _REGISTRY:
+    global _loaded
+    if not _loaded:  # import every module once; each registers itself on import
+        _loaded = True
         for mod in pkgutil.iter_modules(__path__):
             if not mod.name.startswith("_"):
                 importlib.import_module(f"{__name__}.{mod.name}")

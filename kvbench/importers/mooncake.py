@@ -7,29 +7,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..blockhash import chain_ids, is_prefix_consistent, name_key
 from ..errors import TraceFormatError
 from ..schema import conform
 from ..traceio import new_meta
 from . import importer, read_jsonl, require
+from ._ids import prefix_chained, suggest_block_size
 
 KNOWN_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 TIME_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
-
-
-def suggest_block_size(lengths: np.ndarray, n_blocks: np.ndarray) -> str:
-    """A hint naming a block size that fits every row, when the user passed the wrong one."""
-    for bs in (16, 32, 64, 128, 256, 512, 1024, 2048):
-        if np.array_equal(-(-lengths // bs), n_blocks):
-            return f"; the hash_ids fit --block-size {bs}"
-    return ""
-
-
-def prefix_chained(hashes: pa.ListArray, label: str) -> tuple[pa.ListArray, bool]:
-    """Keep source ids that already behave as prefix-chained ids (so exports round-trip), else chain them."""
-    if is_prefix_consistent(hashes):
-        return hashes.cast(pa.list_(pa.uint64())), False
-    return chain_ids(hashes, namespace=name_key("import", label)), True
 
 
 @importer("mooncake")

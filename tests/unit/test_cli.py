@@ -95,3 +95,29 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
 
 def test_bad_generator_parameter(tmp_path):
     assert_clean_error(kvbench("trace", "gen", "mix", "-n", 10, "--weights", "chat", "-o", tmp_path / "m.parquet"))
+
+
+@pytest.mark.parametrize("fmt, relative, options", [
+    ("azure", "azure/AzureLLMInferenceTrace_conv.csv", []),
+    ("kv-cache-tester", "kv-cache-tester", ["--stagger-s", "60"]),
+])
+def test_import_shared_traces(fmt, relative, options, tmp_path):
+    from ..conftest import shared_trace
+
+    out = tmp_path / "t.parquet"
+    r = kvbench("trace", "import", fmt, shared_trace(relative), "-o", out, *options)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(kvbench("trace", "info", out, "--json").stdout)
+    assert info["requests"] > 0 and info["source"]["importer"] == fmt
+
+
+def test_import_fixtures_and_unsupported_option(tmp_path):
+    from pathlib import Path
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    for fmt, name in (("bailian", "bailian_sample.jsonl"), ("burstgpt", "burstgpt_sample.csv")):
+        r = kvbench("trace", "import", fmt, fixtures / name, "-o", tmp_path / f"{fmt}.parquet")
+        assert r.returncode == 0, r.stderr
+    r = kvbench("trace", "import", "azure", fixtures / "burstgpt_sample.csv", "-o", tmp_path / "x.parquet",
+                "--time-unit", "s")
+    assert r.returncode == 2 and "No such option" in r.stderr

@@ -1,0 +1,110 @@
+"""Multi-turn reasoning conversations: long decodes whose reasoning is stripped before the next turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..blockhash import content_ids, name_key
+from . import generator, param
+from ._common import Segments, assemble, group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids, zipf_indices
+
+# Output cap, a little above the largest completion budgets of reasoning APIs (OpenAI o-series: 100,000
+# output tokens; deepseek-reasoner: max_tokens up to 64K, reasoning included).
+MAX_OUTPUT_TOKENS = 128_000
+
+
+@dataclass(frozen=True)
+class ReasoningParams:
+    session_rate: float = param(0.02, "new conversations per second (Poisson); low because each turn decodes for minutes")
+    turns_mean: float = param(3.0, "mean turns per conversation (geometric)")
+    max_turns: int = param(16, "cap on turns per conversation")
+    system_prompts: int = param(8, "distinct system prompts shared across conversations")
+    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
+    system_tokens_mean: float = param(800.0, "mean system prompt length (tokens)")
+    user_tokens_mean: float = param(600.0, "mean new user text per turn (tokens, log-normal): a problem statement or follow-up")
+    user_tokens_sigma: float = param(1.0, "log-normal shape of user text length")
+    output_tokens_mean: float = param(58_000.0, "mean decode length per request, reasoning + visible answer (tokens, log-normal)")
+    output_tokens_sigma: float = param(0.35, "log-normal shape of decode length (0.35 puts ~80% of requests in 35K-90K)")
+    answer_tokens_mean: float = param(1_000.0, "mean visible answer length (tokens, log-normal); the rest of the output is reasoning")
+    answer_tokens_sigma: float = param(0.8, "log-normal shape of visible answer length")
+    keep_reasoning: bool = param(False, "keep earlier turns' reasoning in the next prompt (default: stripped, as chat templates of R1/o-series do)")
+    think_time_mean_s: float = param(60.0, "mean human think time between an answer and the next turn (s, exponential)")
+    decode_s_per_token: float = param(0.02, "assumed server time per output token, to place later turns (s; 0.02 = 50 tokens/s)")
+
+
+def _turns_per_session(p: ReasoningParams, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Turns of enough conversations to cover n requests (the last one truncated)."""
+    q = 1.0 / max(p.turns_mean, 1.0)
+    turns = np.empty(0, dtype=np.int64)
+    while turns.sum() < n:
+        more = np.minimum(rng.geometric(q, size=max(16, int(n * q * 1.2))), max(p.max_turns, 1))
+        turns = np.concatenate([turns, more])
+    cut = np.searchsorted(np.cumsum(turns), n)
+    turns = turns[: cut + 1].copy()
+    turns[-1] -= turns.sum() - n
+    return turns
+
+
+@generator("reasoning", ReasoningParams)
+def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
+    """Multi-turn reasoning: 30K-100K-token decodes, reasoning stripped from the next turn's prompt."""
+    if p.decode_s_per_token < 0 or p.think_time_mean_s < 0:
+        raise ValueError("decode_s_per_token and think_time_mean_s must be >= 0")
+    rng = rng_for(seed, "reasoning")
+    turns = _turns_per_session(p, n, rng)
+    n_sessions = turns.size
+    session = np.repeat(np.arange(n_sessions), turns)  # one entry per request, requests grouped by session
+    turn = group_ranks(session)
+
+    system = zipf_indices(rng, p.system_prompts, p.system_zipf, n_sessions)
+    system_len = lognormal_ints(rng_for(seed, "reasoning", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts, lo=16)
+    user_len = lognormal_ints(rng, p.user_tokens_mean, p.user_tokens_sigma, n, lo=1, hi=32_000)
+    out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=MAX_OUTPUT_TOKENS)
+    # The visible answer comes last in the decode; a short output may be all answer (no reasoning).
+    answer_len = np.minimum(lognormal_ints(rng, p.answer_tokens_mean, p.answer_tokens_sigma, n, lo=1), out_len)
+    reasoning_len = out_len - answer_len
+    think = rng.exponential(p.think_time_mean_s, n) * (turn > 0)
+
+    # Arrivals: a turn can only be sent after the whole previous decode (reasoning included) finished,
+    # so the long decodes, not the think time, dominate the spacing of turns.
+    start = poisson_arrivals(rng, p.session_rate, n_sessions)
+    step = np.where(turn > 0, np.roll(out_len, 1) * p.decode_s_per_token + think, 0.0)
+    csum = np.cumsum(step)
+    first = np.flatnonzero(turn == 0)
+    arrival = start[session] + csum - np.repeat(csum[first], turns)
+
+    key_user = name_key("reasoning", seed, "user")
+    key_thought = name_key("reasoning", seed, "reasoning")
+    key_answer = name_key("reasoning", seed, "answer")
+    segs = Segments()
+    req = np.arange(n)
+    segs.add(req, content_ids(name_key("reasoning", seed, "system"), system[session]), system_len[system[session]], order=0)
+    # History: each earlier turn contributes its user text and its visible answer; its reasoning only when
+    # keep_reasoning is set. The answer has the same content id either way, so the two variants share
+    # every block up to the first dropped reasoning span.
+    hist_req = np.repeat(req, turn)
+    k = group_ranks(hist_req)
+    hist_turn = hist_req - turn[hist_req] + k  # global index of the k-th earlier turn
+    segs.add(hist_req, content_ids(key_user, hist_turn), user_len[hist_turn], order=1 + 3 * k)
+    if p.keep_reasoning:
+        segs.add(hist_req, content_ids(key_thought, hist_turn), reasoning_len[hist_turn], order=2 + 3 * k)
+    segs.add(hist_req, content_ids(key_answer, hist_turn), answer_len[hist_turn], order=3 + 3 * k)
+    segs.add(req, content_ids(key_user, req), user_len, order=1 + 3 * turn)
+
+    columns = {
+        "request_id": string_ids("reasoning-", req),
+        "arrival_s": arrival,
+        "output_tokens": out_len.astype(np.int32),
+        "reasoning_tokens": reasoning_len.astype(np.int32),
+        "workload": np.full(n, "reasoning", dtype=object),
+        "user_id": string_ids("reasoning-u", session),
+        "session_id": string_ids("reasoning-s", session),
+        "turn": turn.astype(np.int32),
+        "parent_id": pc.if_else(pa.array(turn > 0), string_ids("reasoning-", np.maximum(req - 1, 0)), None),
+        "think_time_s": think.astype(np.float32),
+    }
+    return assemble(columns, segs, n, block_size)
