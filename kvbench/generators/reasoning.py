@@ -10,7 +10,8 @@ import pyarrow.compute as pc
 
 from ..blockhash import content_ids, name_key
 from . import generator, param
-from ._common import Segments, assemble, group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids, zipf_indices
+from ._common import (Segments, assemble, group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids,
+                      zipf_indices)
 
 # Output cap, a little above the largest completion budgets of reasoning APIs (OpenAI o-series: 100,000
 # output tokens; deepseek-reasoner: max_tokens up to 64K, reasoning included).
@@ -19,21 +20,22 @@ MAX_OUTPUT_TOKENS = 128_000
 
 @dataclass(frozen=True)
 class ReasoningParams:
-    session_rate: float = param(0.02, "new conversations per second (Poisson); low because each turn decodes for minutes")
+    session_rate: float = param(0.02, "new conversations per second (Poisson); low: each turn decodes for minutes")
     turns_mean: float = param(3.0, "mean turns per conversation (geometric)")
     max_turns: int = param(16, "cap on turns per conversation")
     system_prompts: int = param(8, "distinct system prompts shared across conversations")
     system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
     system_tokens_mean: float = param(800.0, "mean system prompt length (tokens)")
-    user_tokens_mean: float = param(600.0, "mean new user text per turn (tokens, log-normal): a problem statement or follow-up")
+    user_tokens_mean: float = param(600.0, "mean new user text per turn: a problem or a follow-up (tokens, log-normal)")
     user_tokens_sigma: float = param(1.0, "log-normal shape of user text length")
-    output_tokens_mean: float = param(58_000.0, "mean decode length per request, reasoning + visible answer (tokens, log-normal)")
-    output_tokens_sigma: float = param(0.35, "log-normal shape of decode length (0.35 puts ~80% of requests in 35K-90K)")
-    answer_tokens_mean: float = param(1_000.0, "mean visible answer length (tokens, log-normal); the rest of the output is reasoning")
+    output_tokens_mean: float = param(58_000.0, "mean decode per request, reasoning + answer (tokens, log-normal)")
+    output_tokens_sigma: float = param(0.35, "log-normal shape of decode length (0.35: ~90% of requests in 30K-100K)")
+    answer_tokens_mean: float = param(1_000.0, "mean visible answer (tokens, log-normal); the rest is reasoning")
     answer_tokens_sigma: float = param(0.8, "log-normal shape of visible answer length")
-    keep_reasoning: bool = param(False, "keep earlier turns' reasoning in the next prompt (default: stripped, as chat templates of R1/o-series do)")
+    keep_reasoning: bool = param(False, "keep earlier turns' reasoning in later prompts (default: stripped, as "
+                                        "the DeepSeek-R1 and OpenAI o-series APIs do)")
     think_time_mean_s: float = param(60.0, "mean human think time between an answer and the next turn (s, exponential)")
-    decode_s_per_token: float = param(0.02, "assumed server time per output token, to place later turns (s; 0.02 = 50 tokens/s)")
+    decode_s_per_token: float = param(0.02, "assumed server time per output token, to place later turns (s)")
 
 
 def _turns_per_session(p: ReasoningParams, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -61,7 +63,8 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
     turn = group_ranks(session)
 
     system = zipf_indices(rng, p.system_prompts, p.system_zipf, n_sessions)
-    system_len = lognormal_ints(rng_for(seed, "reasoning", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts, lo=16)
+    system_len = lognormal_ints(rng_for(seed, "reasoning", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts,
+                                lo=16)
     user_len = lognormal_ints(rng, p.user_tokens_mean, p.user_tokens_sigma, n, lo=1, hi=32_000)
     out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=MAX_OUTPUT_TOKENS)
     # The visible answer comes last in the decode; a short output may be all answer (no reasoning).
@@ -82,7 +85,8 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
     key_answer = name_key("reasoning", seed, "answer")
     segs = Segments()
     req = np.arange(n)
-    segs.add(req, content_ids(name_key("reasoning", seed, "system"), system[session]), system_len[system[session]], order=0)
+    system_ids = content_ids(name_key("reasoning", seed, "system"), system[session])
+    segs.add(req, system_ids, system_len[system[session]], order=0)
     # History: each earlier turn contributes its user text and its visible answer; its reasoning only when
     # keep_reasoning is set. The answer has the same content id either way, so the two variants share
     # every block up to the first dropped reasoning span.
