@@ -43,8 +43,13 @@ def infinite_cache_hits(block_hashes: pa.ChunkedArray | pa.ListArray) -> np.ndar
     return np.minimum(hits, n_blocks)
 
 
-def hit_rates(hit_blocks: np.ndarray, n_blocks: np.ndarray, input_tokens: np.ndarray, block_size: int,
-              warmup: float = DEFAULT_WARMUP) -> dict:
+def hit_rates(
+    hit_blocks: np.ndarray,
+    n_blocks: np.ndarray,
+    input_tokens: np.ndarray,
+    block_size: int,
+    warmup: float = DEFAULT_WARMUP,
+) -> dict:
     """Token and block hit rates over all requests and over the steady state (after the warm-up share)."""
     hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
     start = int(len(input_tokens) * warmup)
@@ -64,8 +69,11 @@ def _dist(values: np.ndarray) -> dict:
     if values.size == 0:
         return {"mean": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}, "max": 0.0}
     pct = np.percentile(values, PERCENTILES)
-    return {"mean": float(values.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)},
-            "max": float(values.max())}
+    return {
+        "mean": float(values.mean()),
+        **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)},
+        "max": float(values.max()),
+    }
 
 
 def _breakdown(frame: pl.DataFrame, key: str) -> list[dict]:
@@ -87,8 +95,10 @@ def _breakdown(frame: pl.DataFrame, key: str) -> list[dict]:
         )
         .sort("requests", descending=True)
     )
-    return [{k: (v if k != key else (v if v is not None else "(none)")) for k, v in row.items()}
-            for row in grouped.to_dicts()]
+    return [
+        {k: (v if k != key else (v if v is not None else "(none)")) for k, v in row.items()}
+        for row in grouped.to_dicts()
+    ]
 
 
 def trace_info(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP) -> dict:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,7 +41,7 @@ class TraceMeta:
         }
 
     @classmethod
-    def from_arrow(cls, metadata: dict[bytes, bytes] | None, path: str | Path) -> "TraceMeta":
+    def from_arrow(cls, metadata: dict[bytes, bytes] | None, path: str | Path) -> TraceMeta:
         md = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
         if META_VERSION not in md or META_BLOCK_SIZE not in md:
             raise TraceFormatError(
@@ -56,7 +56,8 @@ class TraceMeta:
         try:
             block_size = int(md[META_BLOCK_SIZE])
         except ValueError:
-            raise TraceFormatError(f"{path}: metadata {META_BLOCK_SIZE}={md[META_BLOCK_SIZE]!r} is not an integer")
+            value = md[META_BLOCK_SIZE]
+            raise TraceFormatError(f"{path}: metadata {META_BLOCK_SIZE}={value!r} is not an integer") from None
         if block_size <= 0:
             raise TraceFormatError(f"{path}: metadata {META_BLOCK_SIZE}={block_size} must be > 0")
         try:
@@ -67,7 +68,7 @@ class TraceMeta:
 
 
 def new_meta(block_size: int, source: dict) -> TraceMeta:
-    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     return TraceMeta(block_size=block_size, source=source, created=created)
 
 

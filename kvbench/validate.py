@@ -43,9 +43,11 @@ class ValidationReport:
         return not self.violations
 
     def add(self, column: str, rule: str, mask_or_rows) -> None:
-        rows = np.flatnonzero(mask_or_rows) if getattr(mask_or_rows, "dtype", None) == bool else np.asarray(
-            mask_or_rows, dtype=np.int64
-        )
+        """Record a violation for a boolean row mask or a list of row numbers (nothing if none)."""
+        if isinstance(mask_or_rows, np.ndarray) and mask_or_rows.dtype == np.bool_:
+            rows = np.flatnonzero(mask_or_rows)
+        else:
+            rows = np.asarray(mask_or_rows, dtype=np.int64)
         if rows.size:
             self.violations.append(Violation(column, rule, rows[:ROWS_SHOWN].tolist(), int(rows.size)))
 
@@ -110,10 +112,15 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
         if name != "request_id":
             report.add(name, "must not be null", _np(t.column(name).is_null(), False))
     arrival = _np(t.column("arrival_s"), 0.0)
-    report.add("arrival_s", "must be finite and >= 0 (seconds since trace start)", ~np.isfinite(arrival) | (arrival < 0))
+    report.add(
+        "arrival_s", "must be finite and >= 0 (seconds since trace start)", ~np.isfinite(arrival) | (arrival < 0)
+    )
     if n > 1:
-        report.add("arrival_s", "arrivals must be non-decreasing (sort the trace by arrival)",
-                   np.concatenate([[False], arrival[1:] < arrival[:-1]]))
+        report.add(
+            "arrival_s",
+            "arrivals must be non-decreasing (sort the trace by arrival)",
+            np.concatenate([[False], arrival[1:] < arrival[:-1]]),
+        )
     inp = _np(t.column("input_tokens"), 1).astype(np.int64)
     out = _np(t.column("output_tokens"), 0).astype(np.int64)
     report.add("input_tokens", "must be > 0", inp <= 0)
@@ -151,9 +158,14 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
             off = _np(pc.struct_field(flat, "offset"), -1)
             tok = _np(pc.struct_field(flat, "tokens"), 0)
             bad = (off < 0) | (tok <= 0) | (off + tok > inp[parents])
-            bad |= _np(pc.struct_field(flat, "hash").is_null(), True) | _np(pc.struct_field(flat, "modality").is_null(), True)
-            report.add("mm_items", "each item needs a hash, a modality, offset >= 0, tokens > 0 and "
-                       "offset + tokens <= input_tokens", np.unique(parents[bad]))
+            bad |= _np(pc.struct_field(flat, "hash").is_null(), True) | _np(
+                pc.struct_field(flat, "modality").is_null(), True
+            )
+            report.add(
+                "mm_items",
+                "each item needs a hash, a modality, offset >= 0, tokens > 0 and offset + tokens <= input_tokens",
+                np.unique(parents[bad]),
+            )
 
 
 def _check_references(t: pa.Table, index: dict[str, int], report: ValidationReport) -> None:
@@ -198,7 +210,7 @@ def _rows_on_cycles(graph: dict[int, list[int]]) -> list[int]:
                 stack.pop()
                 path.pop()
             elif state.get(nxt) == 1:
-                on_cycle.update(path[path.index(nxt):])
+                on_cycle.update(path[path.index(nxt) :])
             elif nxt not in state:
                 state[nxt] = 1
                 path.append(nxt)

@@ -35,22 +35,37 @@ def _sections(stats: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         [name, _fmt(d["total"]), _fmt(d["mean"]), _fmt(d["p50"]), _fmt(d["p90"]), _fmt(d["p99"]), _fmt(d["max"])]
         for name, d in (("input tokens", stats["input_tokens"]), ("output tokens", stats["output_tokens"]))
     ]
-    hits = [
-        [unit, _fmt(hr[unit]["all"]), _fmt(hr[unit]["steady"])] for unit in ("token", "block")
-    ]
+    hits = [[unit, _fmt(hr[unit]["all"]), _fmt(hr[unit]["steady"])] for unit in ("token", "block")]
     out = [
         ("Overview", ["metric", "value"], overview),
         ("Lengths", ["", "total", "mean", "p50", "p90", "p99", "max"], lengths),
-        (f"Infinite-cache prefix hit rate (steady state = after the first {hr['warmup']:.0%} of requests)",
-         ["unit", "all requests", "steady state"], hits),
+        (
+            f"Infinite-cache prefix hit rate (steady state = after the first {hr['warmup']:.0%} of requests)",
+            ["unit", "all requests", "steady state"],
+            hits,
+        ),
     ]
     for key, title in (("by_workload", "By workload"), ("by_tenant", "By tenant")):
         rows = stats[key]
         if rows:
             name = key.removeprefix("by_")
-            out.append((title, [name, "requests", "token share", "mean input", "mean output", "inf. hit rate"],
-                        [[_fmt(r[name]), _fmt(r["requests"]), _fmt(r["token_share"]), _fmt(r["mean_input"]),
-                          _fmt(r["mean_output"]), _fmt(r["infinite_cache_token_hit_rate"])] for r in rows[:20]]))
+            out.append(
+                (
+                    title,
+                    [name, "requests", "token share", "mean input", "mean output", "inf. hit rate"],
+                    [
+                        [
+                            _fmt(r[name]),
+                            _fmt(r["requests"]),
+                            _fmt(r["token_share"]),
+                            _fmt(r["mean_input"]),
+                            _fmt(r["mean_output"]),
+                            _fmt(r["infinite_cache_token_hit_rate"]),
+                        ]
+                        for r in rows[:20]
+                    ],
+                )
+            )
     return out
 
 
@@ -68,8 +83,12 @@ def print_info(stats: dict) -> None:
 def info_markdown(stats: dict) -> str:
     lines = [f"# Trace report: `{stats['trace']}`", "", f"Source: `{stats['source']}`", ""]
     for title, header, rows in _sections(stats):
-        lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
-                  "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+        lines += [
+            f"## {title}",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+        ]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
     return "\n".join(lines)

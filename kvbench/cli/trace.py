@@ -30,7 +30,9 @@ def _param_option(field: dataclasses.Field) -> click.Option:
     flag = "--" + field.name.replace("_", "-")
     help = field.metadata.get("help", "")
     if isinstance(field.default, bool):
-        return click.Option([f"{flag}/--no-{flag[2:]}", field.name], default=field.default, show_default=True, help=help)
+        return click.Option(
+            [f"{flag}/--no-{flag[2:]}", field.name], default=field.default, show_default=True, help=help
+        )
     kind = {int: int, float: float}.get(type(field.default), str)
     return click.Option([flag, field.name], type=kind, default=field.default, show_default=True, help=help)
 
@@ -47,14 +49,32 @@ def _gen_command(gen: generators.Generator) -> click.Command:
         click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {block_size})")
 
     options = [
-        click.Option(["-n", "--requests", "n"], type=click.IntRange(min=1), default=1000, show_default=True,
-                     help="number of requests to generate"),
-        click.Option(["--seed"], type=int, default=0, show_default=True,
-                     help="random seed; same parameters and seed give an identical trace"),
-        click.Option(["--block-size"], type=click.IntRange(min=1), default=generators.DEFAULT_BLOCK_SIZE,
-                     show_default=True, help="tokens per hash block (the cache's block/page size)"),
-        click.Option(["-o", "--out"], type=click.Path(dir_okay=False),
-                     help="output Parquet file [default: KIND-nN-sSEED.parquet]"),
+        click.Option(
+            ["-n", "--requests", "n"],
+            type=click.IntRange(min=1),
+            default=1000,
+            show_default=True,
+            help="number of requests to generate",
+        ),
+        click.Option(
+            ["--seed"],
+            type=int,
+            default=0,
+            show_default=True,
+            help="random seed; same parameters and seed give an identical trace",
+        ),
+        click.Option(
+            ["--block-size"],
+            type=click.IntRange(min=1),
+            default=generators.DEFAULT_BLOCK_SIZE,
+            show_default=True,
+            help="tokens per hash block (the cache's block/page size)",
+        ),
+        click.Option(
+            ["-o", "--out"],
+            type=click.Path(dir_okay=False),
+            help="output Parquet file [default: KIND-nN-sSEED.parquet]",
+        ),
     ] + [_param_option(f) for f in dataclasses.fields(gen.params_type)]
     return click.Command(gen.name, callback=run, params=options, help=gen.summary, short_help=gen.summary)
 
@@ -99,10 +119,16 @@ def _import_command(imp: importers.Importer) -> click.Command:
             params.append(click.Option([flag, name], type=click.Choice(["s", "ms", "us"]), default=None, help=help))
         else:
             kind = {int: int, float: float}.get(type(p.default), int if name == "block_size" else str)
-            params.append(click.Option([flag, name], type=kind, default=p.default, help=help,
-                                       show_default=p.default is not None))
-    return click.Command(imp.name, callback=run, params=params, short_help=imp.summary,
-                         help=f"{imp.summary}\n\nThe result is validated before it is written.")
+            params.append(
+                click.Option([flag, name], type=kind, default=p.default, help=help, show_default=p.default is not None)
+            )
+    return click.Command(
+        imp.name,
+        callback=run,
+        params=params,
+        short_help=imp.summary,
+        help=f"{imp.summary}\n\nThe result is validated before it is written.",
+    )
 
 
 class _ImportGroup(click.Group):
@@ -121,11 +147,18 @@ def import_() -> None:
 
 @trace.command("export")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(list(EXPORTERS)), default="mooncake", show_default=True,
-              help="target format (mooncake JSONL is read by AIPerf, `vllm bench serve` and GuideLLM)")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(list(EXPORTERS)),
+    default="mooncake",
+    show_default=True,
+    help="target format (mooncake JSONL is read by AIPerf, `vllm bench serve` and GuideLLM)",
+)
 @click.option("-o", "--out", type=click.Path(dir_okay=False), help="output file [default: TRACE with .jsonl]")
-@click.option("--renumber", is_flag=True,
-              help="renumber block ids 0,1,2,… by first appearance (some replayers expect small ids)")
+@click.option(
+    "--renumber", is_flag=True, help="renumber block ids 0,1,2,… by first appearance (some replayers expect small ids)"
+)
 def export(trace_path, fmt, out, renumber):
     """Write a kvbench trace in another tool's format."""
     table, meta = _read_valid(trace_path)
@@ -148,8 +181,13 @@ def _read_valid(path):
 @trace.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON (stable keys)")
-@click.option("--warmup", type=click.FloatRange(0, 1, max_open=True), default=DEFAULT_WARMUP, show_default=True,
-              help="fraction of requests (by arrival) excluded from the steady-state hit rate")
+@click.option(
+    "--warmup",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=DEFAULT_WARMUP,
+    show_default=True,
+    help="fraction of requests (by arrival) excluded from the steady-state hit rate",
+)
 @click.option("--markdown", type=click.Path(dir_okay=False), help="also write the statistics as a Markdown report")
 def info(trace_path, as_json, warmup, markdown):
     """Counts, duration, rates, length percentiles, per-workload/tenant breakdowns, unique blocks and the
@@ -179,9 +217,20 @@ def validate(paths, as_json):
         table, meta = read_trace(path)
         reports.append(validate_table(table, meta.block_size, source=str(path)))
     if as_json:
-        click.echo(json.dumps([{"source": r.source, "rows": r.rows, "ok": r.ok,
-                                "violations": [dataclasses.asdict(v) for v in r.violations]} for r in reports],
-                              indent=2))
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        "source": r.source,
+                        "rows": r.rows,
+                        "ok": r.ok,
+                        "violations": [dataclasses.asdict(v) for v in r.violations],
+                    }
+                    for r in reports
+                ],
+                indent=2,
+            )
+        )
     else:
         for r in reports:
             click.echo(r.summary())

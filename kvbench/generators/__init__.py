@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pyarrow as pa
 
@@ -27,7 +27,9 @@ class Generator:
     build: Callable[..., pa.Table]
     summary: str
 
-    def run(self, n: int, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE, **overrides) -> tuple[pa.Table, TraceMeta]:
+    def run(
+        self, n: int, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE, **overrides
+    ) -> tuple[pa.Table, TraceMeta]:
         if n <= 0:
             raise ValueError("the number of requests must be > 0")
         params = self.params_type(**overrides)

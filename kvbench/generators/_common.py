@@ -15,7 +15,9 @@ def rng_for(seed: int, *names: object) -> np.random.Generator:
     return np.random.default_rng([seed, int(name_key(*names)) & 0x7FFFFFFF])
 
 
-def lognormal_ints(rng: np.random.Generator, mean: float, sigma: float, size, lo: int = 1, hi: int | None = None) -> np.ndarray:
+def lognormal_ints(
+    rng: np.random.Generator, mean: float, sigma: float, size, lo: int = 1, hi: int | None = None
+) -> np.ndarray:
     """Integers from a log-normal with the given *mean* (not median) and shape sigma, clipped to [lo, hi]."""
     mu = np.log(max(mean, 1e-9)) - sigma**2 / 2
     x = np.rint(rng.lognormal(mu, sigma, size)).astype(np.int64)
@@ -28,6 +30,19 @@ def zipf_indices(rng: np.random.Generator, n_items: int, alpha: float, size) -> 
     cdf = np.cumsum(weights)
     cdf /= cdf[-1]
     return np.minimum(np.searchsorted(cdf, rng.random(size), side="right"), n_items - 1)
+
+
+def geometric_counts(rng: np.random.Generator, mean: float, cap: int, total: int) -> np.ndarray:
+    """Geometric counts (mean `mean`, capped) that sum to exactly `total` (the last one truncated)."""
+    q = 1.0 / max(mean, 1.0)
+    counts = np.empty(0, dtype=np.int64)
+    while counts.sum() < total:
+        more = np.minimum(rng.geometric(q, size=max(16, int(total * q * 1.2))), max(cap, 1))
+        counts = np.concatenate([counts, more])
+    cut = np.searchsorted(np.cumsum(counts), total)
+    counts = counts[: cut + 1].copy()
+    counts[-1] -= counts.sum() - total
+    return counts
 
 
 def poisson_arrivals(rng: np.random.Generator, rate: float, size: int) -> np.ndarray:
@@ -62,8 +77,12 @@ class Segments:
     def add(self, request, content, tokens, order=0) -> None:
         """Add segments; within one request, segments are laid out by `order` then by insertion."""
         request = np.asarray(request, dtype=np.int64)
-        b = np.broadcast_arrays(request, np.asarray(content, dtype=np.uint64), np.asarray(tokens, dtype=np.int64),
-                                np.asarray(order, dtype=np.int64))
+        b = np.broadcast_arrays(
+            request,
+            np.asarray(content, dtype=np.uint64),
+            np.asarray(tokens, dtype=np.int64),
+            np.asarray(order, dtype=np.int64),
+        )
         self._parts.append(tuple(np.ascontiguousarray(x) for x in b))
 
     def block_ids(self, n_requests: int, block_size: int) -> tuple[np.ndarray, pa.ListArray]:

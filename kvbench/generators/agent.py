@@ -122,6 +122,7 @@ def _compact(p: AgentParams, appended, chain_start, hist0, base):
 def _plan_calls(p: AgentParams, m: int, seed: int) -> SimpleNamespace:
     """Structure, lengths and arrivals of every call of m tasks: their main chains first, then every
     sub-agent chain; each chain's calls are consecutive, so a history is a contiguous range of calls."""
+
     def draw(purpose):
         return rng_for(seed, "agent", purpose)
 
@@ -139,12 +140,14 @@ def _plan_calls(p: AgentParams, m: int, seed: int) -> SimpleNamespace:
     main_pos = group_ranks(main_task)
     fork = (draw("fork").random(n_main) < p.fork_prob) & (main_pos < main_calls[main_task] - 1)
     c.fork_call = np.flatnonzero(fork)
-    c.fanout = np.minimum(1 + draw("fanout").poisson(max(p.subagents_mean - 1, 0.0), c.fork_call.size),
-                          max(p.max_subagents, 1))
+    c.fanout = np.minimum(
+        1 + draw("fanout").poisson(max(p.subagents_mean - 1, 0.0), c.fork_call.size), max(p.max_subagents, 1)
+    )
     fork_first_sub = np.cumsum(c.fanout) - c.fanout
     c.sub_fork = np.repeat(c.fork_call, c.fanout)  # the main call each sub-agent was forked from
-    sub_calls = lognormal_ints(draw("sub-calls"), p.subagent_calls_mean, SUBAGENT_CALLS_SIGMA, c.sub_fork.size,
-                               lo=1, hi=p.max_calls)
+    sub_calls = lognormal_ints(
+        draw("sub-calls"), p.subagent_calls_mean, SUBAGENT_CALLS_SIGMA, c.sub_fork.size, lo=1, hi=p.max_calls
+    )
 
     chain_len = np.concatenate([main_calls, sub_calls])
     chain_first = np.cumsum(chain_len) - chain_len
@@ -167,11 +170,12 @@ def _plan_calls(p: AgentParams, m: int, seed: int) -> SimpleNamespace:
     c.out = lognormal_ints(draw("output"), p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=MAX_OUTPUT_TOKENS)
     c.tool = lognormal_ints(draw("tool"), p.tool_tokens_mean, p.tool_tokens_sigma, n, lo=1, hi=p.max_tool_tokens)
     c.think = _lognormal(draw("tool-time"), p.tool_time_mean_s, p.tool_time_sigma, n)
-    c.think[: n_main][main_pos == 0] = 0.0  # a task's first call waits for nothing
+    c.think[:n_main][main_pos == 0] = 0.0  # a task's first call waits for nothing
     # What each call leaves in its chain's history: its output + the tool output, or for a fork call its
     # output + the results of its sub-agents.
-    results = np.bincount(np.repeat(np.arange(c.fork_call.size), c.fanout), weights=c.out[c.sub_last],
-                          minlength=c.fork_call.size).astype(np.int64)
+    results = np.bincount(
+        np.repeat(np.arange(c.fork_call.size), c.fanout), weights=c.out[c.sub_last], minlength=c.fork_call.size
+    ).astype(np.int64)
     appended = c.out + c.tool
     appended[c.fork_call] = c.out[c.fork_call] + results
 
@@ -192,8 +196,10 @@ def _plan_calls(p: AgentParams, m: int, seed: int) -> SimpleNamespace:
     base = c.system_len[c.task_system[c.task]] + c.task_len[c.task]
     _, _, prompt = _compact(p, appended, c.start, np.zeros(n, dtype=np.int64), base)
     # The instruction is clipped so that the inherited prompt always fits without a compaction.
-    instr = np.minimum(lognormal_ints(draw("sub-task-len"), p.subagent_task_tokens_mean, 1.0, c.sub_fork.size),
-                       p.max_context_tokens - prompt[c.sub_fork])
+    instr = np.minimum(
+        lognormal_ints(draw("sub-task-len"), p.subagent_task_tokens_mean, 1.0, c.sub_fork.size),
+        p.max_context_tokens - prompt[c.sub_fork],
+    )
     c.instr = np.concatenate([np.zeros(n_main, dtype=np.int64), np.repeat(instr, sub_calls)])  # per call
     hist0 = np.where(c.is_sub, prompt[c.origin] - base + c.instr, 0)
     c.epoch, c.run_first, c.prompt = _compact(p, appended, c.start, hist0, base)
@@ -259,12 +265,15 @@ def _block_hashes(c: SimpleNamespace, rows: np.ndarray, block_size: int, seed: i
         (v, 2, mix(keys["summary"], c.chain[fork], c.epoch[fork]), np.where(c.epoch[fork] > 0, c.summary_tokens, 0)),
         (v, 4, content_ids(keys["subtask"], sub), np.where(inherit, c.instr[longest], 0)),
     ]
-    for order, owners, lo, hi in ((3, v[inherit], c.run_first[fork[inherit]], fork[inherit]),
-                                  (5, v, c.run_first[longest], longest)):
+    for order, owners, lo, hi in (
+        (3, v[inherit], c.run_first[fork[inherit]], fork[inherit]),
+        (5, v, c.run_first[longest], longest),
+    ):
         which, items = _ranges(bounds[lo], bounds[hi])
         parts.append((owners[which], order, item_content[items], item_tokens[items]))
-    owner, order, content, tokens = (np.concatenate([np.broadcast_to(part[i], part[0].shape) for part in parts])
-                                     for i in range(4))
+    owner, order, content, tokens = (
+        np.concatenate([np.broadcast_to(part[i], part[0].shape) for part in parts]) for i in range(4)
+    )
     sort = np.lexsort((np.arange(owner.size), order, owner))
     sort = sort[tokens[sort] > 0]
     owner, content, tokens = owner[sort], content[sort].astype(np.uint64), tokens[sort]
@@ -333,8 +342,9 @@ def agent(p: AgentParams, n: int, seed: int, block_size: int):
     _, sub = _ranges(c.call_first_sub[fork], c.call_first_sub[fork] + c.call_fanout[fork])
     dep_offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(dep_count, out=dep_offsets[1:])
-    depends_on = pa.ListArray.from_arrays(pa.array(dep_offsets), string_ids("agent-", row_of[c.sub_last[sub]]),
-                                          mask=pa.array(~merges))
+    depends_on = pa.ListArray.from_arrays(
+        pa.array(dep_offsets), string_ids("agent-", row_of[c.sub_last[sub]]), mask=pa.array(~merges)
+    )
 
     # turn: the call's index within its task, in arrival order.
     task = c.task[rows]

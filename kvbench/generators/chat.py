@@ -10,7 +10,17 @@ import pyarrow.compute as pc
 
 from ..blockhash import content_ids, name_key
 from . import generator, param
-from ._common import Segments, assemble, group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids, zipf_indices
+from ._common import (
+    Segments,
+    assemble,
+    geometric_counts,
+    group_ranks,
+    lognormal_ints,
+    poisson_arrivals,
+    rng_for,
+    string_ids,
+    zipf_indices,
+)
 
 
 @dataclass(frozen=True)
@@ -29,24 +39,11 @@ class ChatParams:
     decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later turns (s)")
 
 
-def _sessions(p: ChatParams, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Turns of enough conversations to cover n requests (the last one truncated)."""
-    q = 1.0 / max(p.turns_mean, 1.0)
-    turns = np.empty(0, dtype=np.int64)
-    while turns.sum() < n:
-        more = np.minimum(rng.geometric(q, size=max(16, int(n * q * 1.2))), p.max_turns)
-        turns = np.concatenate([turns, more])
-    cut = np.searchsorted(np.cumsum(turns), n)
-    turns = turns[: cut + 1].copy()
-    turns[-1] -= turns.sum() - n
-    return turns
-
-
 @generator("chat", ChatParams)
 def chat(p: ChatParams, n: int, seed: int, block_size: int):
     """Multi-turn chat with shared system prompts and human think time."""
     rng = rng_for(seed, "chat")
-    turns = _sessions(p, n, rng)
+    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
     n_sessions = turns.size
     session = np.repeat(np.arange(n_sessions), turns)  # one entry per request, requests grouped by session
     turn = group_ranks(session)

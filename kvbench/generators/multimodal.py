@@ -20,8 +20,17 @@ import pyarrow.compute as pc
 from ..blockhash import content_ids, mix, name_key
 from ..schema import MM_ITEM
 from . import generator, param
-from ._common import (Segments, assemble, group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids,
-                      zipf_indices)
+from ._common import (
+    Segments,
+    assemble,
+    geometric_counts,
+    group_ranks,
+    lognormal_ints,
+    poisson_arrivals,
+    rng_for,
+    string_ids,
+    zipf_indices,
+)
 
 MODALITIES = ("image", "video", "audio")
 # Not seeded: the content id of an item depends on its hash only, whichever trace it appears in.
@@ -68,19 +77,6 @@ class MultimodalParams:
     decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later turns (s)")
 
 
-def _session_turns(p: MultimodalParams, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Turns of enough sessions to cover n requests (the last session truncated)."""
-    q = 1.0 / max(p.turns_mean, 1.0)
-    turns = np.empty(0, dtype=np.int64)
-    while turns.sum() < n:
-        more = np.minimum(rng.geometric(q, size=max(16, int(n * q * 1.2))), max(p.max_turns, 1))
-        turns = np.concatenate([turns, more])
-    cut = np.searchsorted(np.cumsum(turns), n)
-    turns = turns[: cut + 1].copy()
-    turns[-1] -= turns.sum() - n
-    return turns
-
-
 def _pool_tokens(p: MultimodalParams, modality: str, seed: int) -> np.ndarray:
     """Token count of every item of a modality's pool: fixed per item, so a reused item has equal length."""
     rng = rng_for(seed, "multimodal", modality, "pool")
@@ -115,7 +111,7 @@ def _mm_items_column(item_hash, item_modality, offset, tokens, owner: np.ndarray
 def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     """Image/video/audio prompts with Zipf-popular, reusable media items and short sessions."""
     rng = rng_for(seed, "multimodal")
-    turns = _session_turns(p, n, rng)
+    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
     n_sessions = turns.size
     session = np.repeat(np.arange(n_sessions), turns)  # requests grouped by session, turns in order
     turn = group_ranks(session)
@@ -132,8 +128,11 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     item_modality = rng.choice(len(MODALITIES), size=item_req.size, p=shares / shares.sum())
     item_hash = np.zeros(item_req.size, dtype=np.uint64)
     item_tokens = np.zeros(item_req.size, dtype=np.int64)
-    pools = {"image": (p.image_pool, p.image_zipf), "video": (p.video_pool, p.video_zipf),
-             "audio": (p.audio_pool, p.audio_zipf)}
+    pools = {
+        "image": (p.image_pool, p.image_zipf),
+        "video": (p.video_pool, p.video_zipf),
+        "audio": (p.audio_pool, p.audio_zipf),
+    }
     for m, name in enumerate(MODALITIES):  # three vectorised draws, one per pool
         sel = np.flatnonzero(item_modality == m)
         size, alpha = pools[name]
@@ -146,8 +145,9 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     item_turn_offset = tokens_before - tokens_before[item_first[item_req]]
 
     system = zipf_indices(rng, p.system_prompts, p.system_zipf, n_sessions)
-    system_len = lognormal_ints(rng_for(seed, "multimodal", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts,
-                                lo=16)
+    system_len = lognormal_ints(
+        rng_for(seed, "multimodal", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts, lo=16
+    )
     user_len = lognormal_ints(rng, p.user_tokens_mean, p.user_tokens_sigma, n, lo=1, hi=32_000)
     out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=16_000)
     think = rng.exponential(p.think_time_mean_s, n) * (turn > 0)
@@ -180,8 +180,7 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     segs.add(occ_req, mix(_ITEM_CONTENT_KEY, item_hash[occ_item]), item_tokens[occ_item], order=1 + 3 * k[occ_pair])
     segs.add(pair_req, content_ids(key_user, g), user_len[g], order=2 + 3 * k)
     answered = k < turn[pair_req]  # earlier turns' answers are in the context, the current one is not
-    segs.add(pair_req[answered], content_ids(key_answer, g[answered]), out_len[g[answered]],
-             order=3 + 3 * k[answered])
+    segs.add(pair_req[answered], content_ids(key_answer, g[answered]), out_len[g[answered]], order=3 + 3 * k[answered])
 
     occ_offset = system_len[sys_of_req[occ_req]] + turn_start[g[occ_pair]] + item_turn_offset[occ_item]
     columns = {
@@ -193,7 +192,8 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
         "turn": turn.astype(np.int32),
         "parent_id": pc.if_else(pa.array(turn > 0), string_ids("mm-", np.maximum(req - 1, 0)), None),
         "think_time_s": think.astype(np.float32),
-        "mm_items": _mm_items_column(item_hash[occ_item], item_modality[occ_item], occ_offset,
-                                     item_tokens[occ_item], occ_req, n),
+        "mm_items": _mm_items_column(
+            item_hash[occ_item], item_modality[occ_item], occ_offset, item_tokens[occ_item], occ_req, n
+        ),
     }
     return assemble(columns, segs, n, block_size)

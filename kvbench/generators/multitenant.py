@@ -21,7 +21,16 @@ import pyarrow.compute as pc
 from ..blockhash import content_ids, name_key
 from ..schema import DEFAULT_PRIORITY
 from . import generator, param
-from ._common import Segments, assemble, group_ranks, lognormal_ints, rng_for, string_ids, zipf_indices
+from ._common import (
+    Segments,
+    assemble,
+    geometric_counts,
+    group_ranks,
+    lognormal_ints,
+    rng_for,
+    string_ids,
+    zipf_indices,
+)
 
 DAY_S = 86_400.0
 TIERS = ("premium", "standard", "free")
@@ -70,19 +79,6 @@ class MultiTenantParams:
     lora_session_share: float = param(0.8, "share of an adapter-owning tenant's sessions that use one of its adapters")
 
 
-def _geometric_counts(rng: np.random.Generator, mean: float, cap: int, total: int) -> np.ndarray:
-    """Geometric counts (mean `mean`, capped) that sum to exactly `total` (the last one truncated)."""
-    q = 1.0 / max(mean, 1.0)
-    counts = np.empty(0, dtype=np.int64)
-    while counts.sum() < total:
-        more = np.minimum(rng.geometric(q, size=max(16, int(total * q * 1.2))), max(cap, 1))
-        counts = np.concatenate([counts, more])
-    cut = np.searchsorted(np.cumsum(counts), total)
-    counts = counts[: cut + 1].copy()
-    counts[-1] -= counts.sum() - total
-    return counts
-
-
 def _session_starts(p: MultiTenantParams, rng: np.random.Generator, size: int) -> np.ndarray:
     """Start times (s) over the span, by inverting the CDF of a (optionally diurnal) rate on a 1-minute grid."""
     span = max(p.span_days, 1e-6) * DAY_S
@@ -96,8 +92,13 @@ def _session_starts(p: MultiTenantParams, rng: np.random.Generator, size: int) -
 def _salts(names: list[str], unsalted: np.ndarray, seed: int) -> pa.Array:
     """One salt string per tenant, derived from its name (null for tenants that send none). One entry per
     tenant, not per request, so the Python loop stays small."""
-    return pa.array([None if off else f"salt-{int(name_key('multi-tenant', seed, 'salt', nm)):016x}"
-                     for nm, off in zip(names, unsalted)], pa.string())
+    return pa.array(
+        [
+            None if off else f"salt-{int(name_key('multi-tenant', seed, 'salt', nm)):016x}"
+            for nm, off in zip(names, unsalted)
+        ],
+        pa.string(),
+    )
 
 
 def _adapters(p: MultiTenantParams, rng: np.random.Generator, n_tenants: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,9 +116,9 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     """Zipf-skewed tenants with public/private prefixes, salts, priorities, LoRA and returning users."""
     rng = rng_for(seed, "multi-tenant")
     n_tenants = max(p.tenants, 1)
-    turns = _geometric_counts(rng, p.turns_mean, p.max_turns, n)
+    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
     n_sessions = turns.size
-    user_sessions = _geometric_counts(rng, p.sessions_per_user_mean, p.max_sessions_per_user, n_sessions)
+    user_sessions = geometric_counts(rng, p.sessions_per_user_mean, p.max_sessions_per_user, n_sessions)
     n_users = user_sessions.size
     session_user = np.repeat(np.arange(n_users), user_sessions)  # sessions grouped by user
     user_tenant = zipf_indices(rng, n_tenants, p.tenant_zipf, n_users)  # tenant index = traffic rank
@@ -132,8 +133,11 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     # leaves every block id unchanged.
     names = [f"tenant-{i}" for i in range(n_tenants)]
     t_rng = rng_for(seed, "multi-tenant", "tenant-config")
-    public_of_tenant = np.where(t_rng.random(n_tenants) < p.public_share,
-                                zipf_indices(t_rng, max(p.public_prompts, 1), p.public_zipf, n_tenants), -1)
+    public_of_tenant = np.where(
+        t_rng.random(n_tenants) < p.public_share,
+        zipf_indices(t_rng, max(p.public_prompts, 1), p.public_zipf, n_tenants),
+        -1,
+    )
     public_len = lognormal_ints(t_rng, p.public_tokens_mean, p.public_tokens_sigma, max(p.public_prompts, 1), lo=16)
     private_len = lognormal_ints(t_rng, p.private_tokens_mean, 0.7, n_tenants, lo=16, hi=64_000)
     tier_draw = rng_for(seed, "multi-tenant", "tier").random(n_tenants)
@@ -165,12 +169,20 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     segs = Segments()
     pub = public_of_tenant[tenant]
     uses_public = pub >= 0
-    segs.add(req[uses_public], content_ids(name_key("multi-tenant", seed, "public"), pub[uses_public]),
-             public_len[pub[uses_public]], order=0)
+    segs.add(
+        req[uses_public],
+        content_ids(name_key("multi-tenant", seed, "public"), pub[uses_public]),
+        public_len[pub[uses_public]],
+        order=0,
+    )
     segs.add(req, content_ids(name_key("multi-tenant", seed, "private"), tenant), private_len[tenant], order=1)
     with_memory = returning[session] & (p.memory_tokens_mean > 0)
-    segs.add(req[with_memory], content_ids(name_key("multi-tenant", seed, "memory"), user[with_memory]),
-             memory_len[user[with_memory]], order=2)
+    segs.add(
+        req[with_memory],
+        content_ids(name_key("multi-tenant", seed, "memory"), user[with_memory]),
+        memory_len[user[with_memory]],
+        order=2,
+    )
     # Conversation so far: every earlier turn's user text and answer, then the new user text.
     key_user, key_answer = name_key("multi-tenant", seed, "user"), name_key("multi-tenant", seed, "answer")
     hist_req = np.repeat(req, turn)
@@ -195,8 +207,9 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
         "think_time_s": think.astype(np.float32),
         "cache_salt": _salts(names, unsalted, seed).take(pa.array(tenant)),
         "priority": priorities[tier[tenant]].astype(np.int8),
-        "lora": pa.DictionaryArray.from_arrays(pa.array(adapter.astype(np.int32), mask=adapter < 0),
-                                               pa.array(lora_names, pa.string())),
+        "lora": pa.DictionaryArray.from_arrays(
+            pa.array(adapter.astype(np.int32), mask=adapter < 0), pa.array(lora_names, pa.string())
+        ),
     }
     if p.slo:
         ttft = np.array([p.premium_ttft_ms, p.standard_ttft_ms, p.free_ttft_ms], dtype=np.float32)

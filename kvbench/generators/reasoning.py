@@ -10,8 +10,17 @@ import pyarrow.compute as pc
 
 from ..blockhash import content_ids, name_key
 from . import generator, param
-from ._common import (Segments, assemble, group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids,
-                      zipf_indices)
+from ._common import (
+    Segments,
+    assemble,
+    geometric_counts,
+    group_ranks,
+    lognormal_ints,
+    poisson_arrivals,
+    rng_for,
+    string_ids,
+    zipf_indices,
+)
 
 # Output cap, a little above the largest completion budgets of reasoning APIs (OpenAI o-series: 100,000
 # output tokens; deepseek-reasoner: max_tokens up to 64K, reasoning included).
@@ -32,23 +41,13 @@ class ReasoningParams:
     output_tokens_sigma: float = param(0.35, "log-normal shape of decode length (0.35: ~90% of requests in 30K-100K)")
     answer_tokens_mean: float = param(1_000.0, "mean visible answer (tokens, log-normal); the rest is reasoning")
     answer_tokens_sigma: float = param(0.8, "log-normal shape of visible answer length")
-    keep_reasoning: bool = param(False, "keep earlier turns' reasoning in later prompts (default: stripped, as "
-                                        "the DeepSeek-R1 and OpenAI o-series APIs do)")
+    keep_reasoning: bool = param(
+        False,
+        "keep earlier turns' reasoning in later prompts (default: stripped, as "
+        "the DeepSeek-R1 and OpenAI o-series APIs do)",
+    )
     think_time_mean_s: float = param(60.0, "mean human think time between an answer and the next turn (s, exponential)")
     decode_s_per_token: float = param(0.02, "assumed server time per output token, to place later turns (s)")
-
-
-def _turns_per_session(p: ReasoningParams, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Turns of enough conversations to cover n requests (the last one truncated)."""
-    q = 1.0 / max(p.turns_mean, 1.0)
-    turns = np.empty(0, dtype=np.int64)
-    while turns.sum() < n:
-        more = np.minimum(rng.geometric(q, size=max(16, int(n * q * 1.2))), max(p.max_turns, 1))
-        turns = np.concatenate([turns, more])
-    cut = np.searchsorted(np.cumsum(turns), n)
-    turns = turns[: cut + 1].copy()
-    turns[-1] -= turns.sum() - n
-    return turns
 
 
 @generator("reasoning", ReasoningParams)
@@ -57,14 +56,15 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
     if p.decode_s_per_token < 0 or p.think_time_mean_s < 0:
         raise ValueError("decode_s_per_token and think_time_mean_s must be >= 0")
     rng = rng_for(seed, "reasoning")
-    turns = _turns_per_session(p, n, rng)
+    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
     n_sessions = turns.size
     session = np.repeat(np.arange(n_sessions), turns)  # one entry per request, requests grouped by session
     turn = group_ranks(session)
 
     system = zipf_indices(rng, p.system_prompts, p.system_zipf, n_sessions)
-    system_len = lognormal_ints(rng_for(seed, "reasoning", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts,
-                                lo=16)
+    system_len = lognormal_ints(
+        rng_for(seed, "reasoning", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts, lo=16
+    )
     user_len = lognormal_ints(rng, p.user_tokens_mean, p.user_tokens_sigma, n, lo=1, hi=32_000)
     out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=MAX_OUTPUT_TOKENS)
     # The visible answer comes last in the decode; a short output may be all answer (no reasoning).

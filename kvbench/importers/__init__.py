@@ -9,12 +9,11 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from ..errors import TraceFormatError
-
 
 # Help for the keyword options importers commonly take; an importer adds its own through `options=`.
 COMMON_OPTIONS = {
@@ -77,7 +76,9 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 rec = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise TraceFormatError(f"{path}: line {lineno} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+                raise TraceFormatError(
+                    f"{path}: line {lineno} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"
+                ) from None
             if not isinstance(rec, dict):
                 raise TraceFormatError(f"{path}: line {lineno} is not a JSON object")
             empty = False

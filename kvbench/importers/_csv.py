@@ -47,7 +47,8 @@ class CsvFile:
         missing = [c for c in required if _norm(c) not in by_norm]
         if missing:
             raise TraceFormatError(
-                f"{path}: line 1 (header): column {missing[0]!r} is missing (header has {','.join(header) or 'nothing'}); "
+                f"{path}: line 1 (header): column {missing[0]!r} is missing "
+                f"(header has {','.join(header) or 'nothing'}); "
                 f"{fmt} CSV needs the columns {','.join(required)}"
             )
         self.header = header
@@ -72,7 +73,9 @@ class CsvFile:
                 try:
                     text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError:
-                    return TraceFormatError(f"{self.path}: line {lineno} is not valid UTF-8 text; fix or remove the line")
+                    return TraceFormatError(
+                        f"{self.path}: line {lineno} is not valid UTF-8 text; fix or remove the line"
+                    )
                 if lineno == 1 or not text.rstrip("\r\n"):
                     continue
                 fields = next(csv.reader([text]), [])
@@ -96,7 +99,9 @@ class CsvFile:
         return int(self._lines[row]) if row < self._lines.size else row + 2
 
     def error(self, row: int, column: str, problem: str) -> TraceFormatError:
-        return TraceFormatError(f"{self.path}: line {self.line(row)}: column {self.names.get(column, column)!r} {problem}")
+        return TraceFormatError(
+            f"{self.path}: line {self.line(row)}: column {self.names.get(column, column)!r} {problem}"
+        )
 
     def strings(self, column: str) -> pa.ChunkedArray:
         col = self.table.column(self.names.get(column, column))
@@ -126,7 +131,9 @@ class CsvFile:
             bad |= arr != np.round(arr)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise self.error(row, column, f"should be {'an integer' if kind is int else 'a finite number'}, got {col[row].as_py()!r}")
+            raise self.error(
+                row, column, f"should be {'an integer' if kind is int else 'a finite number'}, got {col[row].as_py()!r}"
+            )
         if lo is not None and np.any(arr < lo):
             row = int(np.flatnonzero(arr < lo)[0])
             raise self.error(row, column, f"must be >= {lo:g}{what}, got {col[row].as_py()!r}")
@@ -160,6 +167,7 @@ def parse_datetimes(f: CsvFile, column: str) -> np.ndarray:
         except _ARROW_ERRORS:
             continue
     else:
+
         def ok(v):
             for tz in (None, "UTC"):
                 try:
@@ -170,7 +178,9 @@ def parse_datetimes(f: CsvFile, column: str) -> np.ndarray:
             return False
 
         row = f._first_bad(col, ok)
-        raise f.error(row, column, f"should be a date-time like '2023-11-16 18:15:46.6805900', got {col[row].as_py()!r}")
+        raise f.error(
+            row, column, f"should be a date-time like '2023-11-16 18:15:46.6805900', got {col[row].as_py()!r}"
+        )
     if ns.null_count:
         raise f.error(int(pc.index(ns.is_null(), True).as_py()), column, "is empty; every row needs a value")
     return ns.to_numpy()

@@ -64,7 +64,7 @@ def _extra_column(name: str, values: list, src: Path, lines: list[int]) -> pa.Ar
         kinds = {type(v).__name__ for v in values if v is not None}
         raise TraceFormatError(
             f"{src}: extra field {name!r} has values of mixed types ({', '.join(sorted(kinds))}), first at line "
-            f"{next(l for l, v in zip(lines, values) if v is not None)}; make the field one type or remove it"
+            f"{next(line for line, v in zip(lines, values) if v is not None)}; make the field one type or remove it"
         ) from None
 
 

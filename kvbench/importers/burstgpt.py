@@ -65,7 +65,8 @@ def read_burstgpt(
     if empty_prompt.any() and not drop_empty_prompts:
         row = int(np.flatnonzero(empty_prompt)[0])
         raise f.error(
-            row, "Request tokens",
+            row,
+            "Request tokens",
             f"is 0 ({int(empty_prompt.sum())} rows): a request needs a prompt; "
             "import with drop_empty_prompts=True to drop these rows (they are counted in the metadata)",
         )

@@ -133,8 +133,15 @@ class _Conversation:
                     raise TraceFormatError(f"{path}: {w}: field 'agent_id' {aid!r} repeats; agent ids must be unique")
                 self.agents.add(aid)
                 sub = require(r, "requests", list, path, w)
-                self.walk(sub, f"{where}[{i}].requests", base + t, f"{self.id}-{aid}", last, aid,
-                          _optional(r, "subagent_type", str, path, w))
+                self.walk(
+                    sub,
+                    f"{where}[{i}].requests",
+                    base + t,
+                    f"{self.id}-{aid}",
+                    last,
+                    aid,
+                    _optional(r, "subagent_type", str, path, w),
+                )
                 continue
             if kind not in REQUEST_TYPES:
                 raise TraceFormatError(
@@ -146,26 +153,28 @@ class _Conversation:
             ids, tail = _hash_ids(r, n_in, self.bs, path, w)
             output_types = _str_list(r, "output_types", path, w)
             rid = f"{chain}-{k}"
-            self.rows.append({
-                "request_id": rid,
-                "arrival_s": base + t,
-                "input_tokens": n_in,
-                "output_tokens": int(_number(r, "out", int, path, w, lo=0)),
-                "session_id": self.id,
-                "turn": k,
-                "parent_id": last,
-                "think_time_s": _number(r, "think_time", float, path, w, lo=0, optional=True),
-                "model": _optional(r, "model", str, path, w),
-                "has_thinking": None if output_types is None else "thinking" in output_types,
-                "agent_id": agent,
-                "subagent_type": subtype,
-                "api_time_s": _number(r, "api_time", float, path, w, lo=0, optional=True),
-                "stop_reason": _optional(r, "stop", str, path, w),
-                "input_types": _str_list(r, "input_types", path, w),
-                "output_types": output_types,
-                "_ids": ids,
-                "_tail": tail,
-            })
+            self.rows.append(
+                {
+                    "request_id": rid,
+                    "arrival_s": base + t,
+                    "input_tokens": n_in,
+                    "output_tokens": int(_number(r, "out", int, path, w, lo=0)),
+                    "session_id": self.id,
+                    "turn": k,
+                    "parent_id": last,
+                    "think_time_s": _number(r, "think_time", float, path, w, lo=0, optional=True),
+                    "model": _optional(r, "model", str, path, w),
+                    "has_thinking": None if output_types is None else "thinking" in output_types,
+                    "agent_id": agent,
+                    "subagent_type": subtype,
+                    "api_time_s": _number(r, "api_time", float, path, w, lo=0, optional=True),
+                    "stop_reason": _optional(r, "stop", str, path, w),
+                    "input_types": _str_list(r, "input_types", path, w),
+                    "output_types": output_types,
+                    "_ids": ids,
+                    "_tail": tail,
+                }
+            )
             last, k = rid, k + 1
 
 
@@ -188,7 +197,12 @@ def _block_ids(rows: list[dict], namespace: np.uint64, tail_key: np.uint64) -> t
     return ids, not consistent, int(need.sum())
 
 
-@importer("kv-cache-tester", options={"stagger_s": "seconds between the starts of consecutive conversations of a directory (0 = all start together)"})
+@importer(
+    "kv-cache-tester",
+    options={
+        "stagger_s": "seconds between the starts of consecutive conversations of a directory (0 = all start together)"
+    },
+)
 def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str | None = None, stagger_s: float = 0.0):
     """kv-cache-tester agentic coding traces (JSON per conversation, or a directory; 64-token local hash ids).
 
@@ -217,14 +231,17 @@ def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str
         convs.append(conv)
 
     # Block ids per id scope: each local conversation alone, all global ones together.
-    groups = [[c] for c in convs if c.scope == "local"] + ([[c for c in convs if c.scope == "global"]]
-                                                             if any(c.scope == "global" for c in convs) else [])
+    groups = [[c] for c in convs if c.scope == "local"] + (
+        [[c for c in convs if c.scope == "global"]] if any(c.scope == "global" for c in convs) else []
+    )
     hashes: dict[str, pa.ListArray] = {}
     rechained, tails = [], 0
     for group in groups:
         rows = [r for c in group for r in c.rows]
         key = group[0].id if group[0].scope == "local" else "global"
-        ids, chained, added = _block_ids(rows, name_key("kv-cache-tester", key), name_key("kv-cache-tester", key, "tail"))
+        ids, chained, added = _block_ids(
+            rows, name_key("kv-cache-tester", key), name_key("kv-cache-tester", key, "tail")
+        )
         tails += added
         rechained += [c.id for c in group] if chained else []
         start = 0
@@ -245,9 +262,18 @@ def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str
     columns = {k: [r[k] for r in rows] for k in names}
     columns["block_hashes"] = pa.concat_arrays([hashes[c.id] for c in convs])
     columns["workload"] = [workload or "agent"] * len(rows)
-    types = {"has_thinking": pa.bool_(), "api_time_s": pa.float32(), "input_types": pa.list_(pa.string()),
-             "output_types": pa.list_(pa.string()), "agent_id": pa.string(), "subagent_type": pa.string(),
-             "stop_reason": pa.string(), "model": pa.string(), "parent_id": pa.string(), "think_time_s": pa.float32()}
+    types = {
+        "has_thinking": pa.bool_(),
+        "api_time_s": pa.float32(),
+        "input_types": pa.list_(pa.string()),
+        "output_types": pa.list_(pa.string()),
+        "agent_id": pa.string(),
+        "subagent_type": pa.string(),
+        "stop_reason": pa.string(),
+        "model": pa.string(),
+        "parent_id": pa.string(),
+        "think_time_s": pa.float32(),
+    }
     table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(v, types.get(k)) for k, v in columns.items()})
     for name in ("model", "subagent_type", "stop_reason"):
         i = table.column_names.index(name)

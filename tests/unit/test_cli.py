@@ -50,7 +50,7 @@ def test_info_markdown_report(tmp_path):
 def test_invalid_trace_is_reported_and_exits_nonzero(tmp_path):
     import pyarrow as pa
 
-    from kvbench.traceio import new_meta, read_trace, write_trace
+    from kvbench.traceio import read_trace, write_trace
 
     out = tmp_path / "t.parquet"
     kvbench("trace", "gen", "chat", "-n", 50, "-o", out)
@@ -85,7 +85,8 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
     seconds = tmp_path / "seconds.jsonl"
     seconds.write_text('{"timestamp": 0.5, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n')
     assert "--time-unit s" in assert_clean_error(
-        kvbench("trace", "import", "mooncake", seconds, "-o", tmp_path / "x.parquet"))
+        kvbench("trace", "import", "mooncake", seconds, "-o", tmp_path / "x.parquet")
+    )
     r = kvbench("trace", "import", "mooncake", seconds, "-o", tmp_path / "x.parquet", "--time-unit", "s")
     assert r.returncode == 0, r.stderr
 
@@ -97,10 +98,13 @@ def test_bad_generator_parameter(tmp_path):
     assert_clean_error(kvbench("trace", "gen", "mix", "-n", 10, "--weights", "chat", "-o", tmp_path / "m.parquet"))
 
 
-@pytest.mark.parametrize("fmt, relative, options", [
-    ("azure", "azure/AzureLLMInferenceTrace_conv.csv", []),
-    ("kv-cache-tester", "kv-cache-tester", ["--stagger-s", "60"]),
-])
+@pytest.mark.parametrize(
+    "fmt, relative, options",
+    [
+        ("azure", "azure/AzureLLMInferenceTrace_conv.csv", []),
+        ("kv-cache-tester", "kv-cache-tester", ["--stagger-s", "60"]),
+    ],
+)
 def test_import_shared_traces(fmt, relative, options, tmp_path):
     from ..conftest import shared_trace
 
@@ -118,6 +122,7 @@ def test_import_fixtures_and_unsupported_option(tmp_path):
     for fmt, name in (("bailian", "bailian_sample.jsonl"), ("burstgpt", "burstgpt_sample.csv")):
         r = kvbench("trace", "import", fmt, fixtures / name, "-o", tmp_path / f"{fmt}.parquet")
         assert r.returncode == 0, r.stderr
-    r = kvbench("trace", "import", "azure", fixtures / "burstgpt_sample.csv", "-o", tmp_path / "x.parquet",
-                "--time-unit", "s")
+    r = kvbench(
+        "trace", "import", "azure", fixtures / "burstgpt_sample.csv", "-o", tmp_path / "x.parquet", "--time-unit", "s"
+    )
     assert r.returncode == 2 and "No such option" in r.stderr

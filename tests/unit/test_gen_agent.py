@@ -30,8 +30,21 @@ def stress():
 
 def rows_of(table):
     """Each request as a dict, plus the request_id -> row index."""
-    rows = table.select(["request_id", "arrival_s", "input_tokens", "output_tokens", "block_hashes", "session_id",
-                         "user_id", "turn", "parent_id", "depends_on", "think_time_s"]).to_pylist()
+    rows = table.select(
+        [
+            "request_id",
+            "arrival_s",
+            "input_tokens",
+            "output_tokens",
+            "block_hashes",
+            "session_id",
+            "user_id",
+            "turn",
+            "parent_id",
+            "depends_on",
+            "think_time_s",
+        ]
+    ).to_pylist()
     return rows, {r["request_id"]: i for i, r in enumerate(rows)}
 
 
@@ -43,7 +56,7 @@ def edges(table):
         if r["parent_id"] is not None:
             children[index[r["parent_id"]]].append(i)
     out = []
-    for i, r in enumerate(rows):
+    for r in rows:
         if r["parent_id"] is None:
             continue
         p = index[r["parent_id"]]

@@ -146,9 +146,11 @@ def test_priorities_and_slos_follow_the_tenant_tier(trace):
 
 def test_users_return_over_days_within_one_tenant(trace):
     table, _ = trace
-    g = pa.table({"user": table.column("user_id"), "tenant": _strings(table, "tenant"),
-                  "t": table.column("arrival_s")}).group_by("user").aggregate(
-        [("t", "min"), ("t", "max"), ("tenant", "count_distinct")])
+    g = (
+        pa.table({"user": table.column("user_id"), "tenant": _strings(table, "tenant"), "t": table.column("arrival_s")})
+        .group_by("user")
+        .aggregate([("t", "min"), ("t", "max"), ("tenant", "count_distinct")])
+    )
     spread_h = (np.asarray(g["t_max"]) - np.asarray(g["t_min"])) / 3600
     assert spread_h.max() > 24  # some user comes back more than a day later
     assert (spread_h > 24).mean() > 0.1

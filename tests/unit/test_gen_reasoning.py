@@ -25,8 +25,21 @@ def kept():
 
 
 def sessions(table):
-    rows = table.select(["request_id", "arrival_s", "input_tokens", "output_tokens", "reasoning_tokens",
-                         "block_hashes", "session_id", "user_id", "turn", "parent_id", "think_time_s"]).to_pylist()
+    rows = table.select(
+        [
+            "request_id",
+            "arrival_s",
+            "input_tokens",
+            "output_tokens",
+            "reasoning_tokens",
+            "block_hashes",
+            "session_id",
+            "user_id",
+            "turn",
+            "parent_id",
+            "think_time_s",
+        ]
+    ).to_pylist()
     out = defaultdict(list)
     for r in rows:
         out[r["session_id"]].append(r)

@@ -28,8 +28,12 @@ def test_deterministic_per_seed(kind):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(KINDS), n=st.integers(1, 400), seed=st.integers(0, 2**31),
-       block_size=st.sampled_from([16, 32, 64, 512]))
+@given(
+    kind=st.sampled_from(KINDS),
+    n=st.integers(1, 400),
+    seed=st.integers(0, 2**31),
+    block_size=st.sampled_from([16, 32, 64, 512]),
+)
 def test_generated_traces_always_validate(kind, n, seed, block_size):
     table, meta = get(kind).run(n, seed=seed, block_size=block_size)
     assert meta.block_size == block_size and meta.source["generator"] == kind

@@ -67,8 +67,16 @@ BAILIAN = FIXTURES / "bailian_sample.jsonl"
 
 
 def bailian_line(**over) -> str:
-    rec = {"chat_id": 1, "parent_chat_id": -1, "timestamp": 1.0, "input_length": 20, "output_length": 3,
-           "type": "text", "turn": 1, "hash_ids": [1, 2]}
+    rec = {
+        "chat_id": 1,
+        "parent_chat_id": -1,
+        "timestamp": 1.0,
+        "input_length": 20,
+        "output_length": 3,
+        "type": "text",
+        "turn": 1,
+        "hash_ids": [1, 2],
+    }
     rec.update(over)
     return json.dumps(rec)
 
@@ -86,7 +94,17 @@ def test_bailian_maps_every_field():
         assert r["block_hashes"] == rec["hash_ids"]  # already prefix-consistent: kept as is
     assert table.column("request_id").to_pylist() == [str(i) for i in range(1, 11)]  # stable on the tie 4/5
     assert {k: got[k]["session_id"] for k in got} == {
-        "1": "1", "4": "1", "7": "1", "2": "2", "6": "2", "3": "3", "5": "99", "8": "99", "9": "9", "10": "10"}
+        "1": "1",
+        "4": "1",
+        "7": "1",
+        "2": "2",
+        "6": "2",
+        "3": "3",
+        "5": "99",
+        "8": "99",
+        "9": "9",
+        "10": "10",
+    }
     assert {k: got[k]["parent_id"] for k in got if got[k]["parent_id"]} == {"4": "1", "7": "4", "6": "2", "8": "5"}
     assert {k: got[k]["external_parent_id"] for k in got if got[k]["external_parent_id"]} == {"5": "99"}
     assert meta.block_size == 16
@@ -98,11 +116,17 @@ def test_bailian_maps_every_field():
 
 def test_bailian_rechains_ids_that_are_not_prefix_consistent(tmp_path):
     # Block 5 follows block 1 in one prompt and block 2 in another: content hashes, not prefix hashes.
-    path = write(tmp_path, "t.jsonl", "\n".join([
-        bailian_line(chat_id=1, hash_ids=[1, 5]),
-        bailian_line(chat_id=2, hash_ids=[2, 5], timestamp=2.0),
-        bailian_line(chat_id=3, hash_ids=[1, 5], timestamp=3.0),
-    ]))
+    path = write(
+        tmp_path,
+        "t.jsonl",
+        "\n".join(
+            [
+                bailian_line(chat_id=1, hash_ids=[1, 5]),
+                bailian_line(chat_id=2, hash_ids=[2, 5], timestamp=2.0),
+                bailian_line(chat_id=3, hash_ids=[1, 5], timestamp=3.0),
+            ]
+        ),
+    )
     table, meta = load("bailian", path)
     assert meta.source["rechained"] is True
     h = table.column("block_hashes").to_pylist()
@@ -114,8 +138,11 @@ def test_bailian_options(tmp_path):
     assert set(table.column("workload").to_pylist()) == {"chat"}
     assert table.column("type").to_pylist()[:3] == ["text", "image", "search"]  # type kept when relabelled
     assert meta.source["time_unit"] == "ms" and table.column("arrival_s")[6].as_py() == pytest.approx(0.028886)
-    path = write(tmp_path, "t.jsonl", "\n".join([bailian_line(chat_id=7, timestamp=5.0, region="cn"),
-                                                bailian_line(chat_id=8, timestamp=1.0)]))
+    path = write(
+        tmp_path,
+        "t.jsonl",
+        "\n".join([bailian_line(chat_id=7, timestamp=5.0, region="cn"), bailian_line(chat_id=8, timestamp=1.0)]),
+    )
     table, meta = load("bailian", path)
     assert table.column("request_id").to_pylist() == ["8", "7"] and meta.source["reordered"] is True
     assert table.column("region").to_pylist() == [None, "cn"]  # unknown fields are kept
@@ -163,9 +190,13 @@ def test_azure_real_file():
 
 
 def test_azure_small_file(tmp_path):
-    path = write(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                 "2023-11-16 18:15:50.0000000,16,1\n\n2023-11-16 18:15:46.5000000,17,0\n"
-                 "2023-11-16 18:15:46.5000000,17,0\n")
+    path = write(
+        tmp_path,
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:50.0000000,16,1\n\n2023-11-16 18:15:46.5000000,17,0\n"
+        "2023-11-16 18:15:46.5000000,17,0\n",
+    )
     table, meta = load("azure", path)
     assert table.column("request_id").to_pylist() == ["az-1", "az-2", "az-0"]
     assert table.column("arrival_s").to_pylist() == [0.0, 0.0, 3.5]
@@ -183,7 +214,10 @@ HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
         (HEADER, ["no data rows"]),
         ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.0,5\n", ["line 1", "'GeneratedTokens'", "missing"]),
         (HEADER + "2023-11-16 18:15:46.0,5,1\n2023-11-16 18:15:47.0,abc,1\n", ["line 3", "'ContextTokens'", "'abc'"]),
-        (HEADER + "2023-11-16 18:15:46.0,5,1\n\n2023-11-16 18:15:47.0,5,1.5\n", ["line 4", "'GeneratedTokens'", "integer"]),
+        (
+            HEADER + "2023-11-16 18:15:46.0,5,1\n\n2023-11-16 18:15:47.0,5,1.5\n",
+            ["line 4", "'GeneratedTokens'", "integer"],
+        ),
         (HEADER + "yesterday,5,1\n", ["line 2", "'TIMESTAMP'", "'yesterday'"]),
         (HEADER + "2023-11-16 18:15:46.0,5,1\n2023-11-16 18:15:47.0,5\n", ["line 3", "2 fields", "header has 3"]),
         (HEADER + "2023-11-16 18:15:46.0,0,1\n", ["line 2", "'ContextTokens'", ">= 1"]),
@@ -329,14 +363,47 @@ def test_kv_cache_tester_single_file_and_stagger(tmp_path):
 
 
 def kvct_doc(**over) -> dict:
-    doc = {"id": "c1", "models": ["m"], "block_size": 64, "hash_id_scope": "local", "requests": [
-        {"t": 0.0, "type": "n", "model": "m", "in": 130, "out": 5, "hash_ids": [1, 2],
-         "input_types": ["text"], "output_types": ["text"], "stop": "end_turn", "api_time": 1.0, "think_time": 0.0},
-        {"t": 2.0, "type": "subagent", "agent_id": "a1", "subagent_type": "Explore", "duration_ms": 900, "requests": [
-            {"t": 0.5, "type": "n", "model": "m", "in": 64, "out": 2, "hash_ids": [1], "think_time": 0.0}]},
-        {"t": 3.0, "type": "n", "model": "m", "in": 192, "out": 7, "hash_ids": [1, 2, 3], "think_time": 1.5,
-         "output_types": ["thinking", "text"]},
-    ]}
+    doc = {
+        "id": "c1",
+        "models": ["m"],
+        "block_size": 64,
+        "hash_id_scope": "local",
+        "requests": [
+            {
+                "t": 0.0,
+                "type": "n",
+                "model": "m",
+                "in": 130,
+                "out": 5,
+                "hash_ids": [1, 2],
+                "input_types": ["text"],
+                "output_types": ["text"],
+                "stop": "end_turn",
+                "api_time": 1.0,
+                "think_time": 0.0,
+            },
+            {
+                "t": 2.0,
+                "type": "subagent",
+                "agent_id": "a1",
+                "subagent_type": "Explore",
+                "duration_ms": 900,
+                "requests": [
+                    {"t": 0.5, "type": "n", "model": "m", "in": 64, "out": 2, "hash_ids": [1], "think_time": 0.0}
+                ],
+            },
+            {
+                "t": 3.0,
+                "type": "n",
+                "model": "m",
+                "in": 192,
+                "out": 7,
+                "hash_ids": [1, 2, 3],
+                "think_time": 1.5,
+                "output_types": ["thinking", "text"],
+            },
+        ],
+    }
     doc.update(over)
     return doc
 

@@ -43,20 +43,25 @@ def test_round_trip_preserves_every_field(mooncake_path, tmp_path):
 
 def test_round_trip_keeps_extra_fields_and_time_origin(tmp_path):
     src = tmp_path / "x.jsonl"
-    src.write_text('{"timestamp": 1000, "input_length": 5, "output_length": 2, "hash_ids": [3, 4], "tag": "a"}\n'
-                   '{"timestamp": 2500, "input_length": 3, "output_length": 0, "hash_ids": [3]}\n')
+    src.write_text(
+        '{"timestamp": 1000, "input_length": 5, "output_length": 2, "hash_ids": [3, 4], "tag": "a"}\n'
+        '{"timestamp": 2500, "input_length": 3, "output_length": 0, "hash_ids": [3]}\n'
+    )
     table, meta = get("mooncake").read(src, block_size=4)
     assert table.column("arrival_s").to_pylist() == [0.0, 1.5]
     out = export_mooncake(table, meta, tmp_path / "y.jsonl")
     assert [json.loads(line) for line in out.read_text().splitlines()] == [
-        json.loads(line) for line in src.read_text().splitlines()]
+        json.loads(line) for line in src.read_text().splitlines()
+    ]
 
 
 def test_non_chained_ids_are_chained(tmp_path):
     src = tmp_path / "x.jsonl"
     # id 9 follows 1 in the first request and 2 in the second: not prefix-consistent
-    src.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 9]}\n'
-                   '{"timestamp": 1, "input_length": 8, "output_length": 1, "hash_ids": [2, 9]}\n')
+    src.write_text(
+        '{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 9]}\n'
+        '{"timestamp": 1, "input_length": 8, "output_length": 1, "hash_ids": [2, 9]}\n'
+    )
     table, meta = get("mooncake").read(src, block_size=4)
     assert meta.source["rechained"]
     a, b = table.column("block_hashes").to_pylist()
@@ -84,7 +89,7 @@ def test_generated_trace_exports_integer_ms(tmp_path):
         ('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1]}\n', "fit --block-size 1024"),
         ('{"timestamp": 0, "input_length": "5", "output_length": 1, "hash_ids": [1]}\n', "input_length"),
         ('{"timestamp": 0, "output_length": 1, "hash_ids": [1]}\n', "'input_length' is missing"),
-        ('[1, 2]\n', "not a JSON object"),
+        ("[1, 2]\n", "not a JSON object"),
     ],
 )
 def test_bad_input_names_file_and_line(tmp_path, content, match):

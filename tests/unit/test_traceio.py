@@ -29,8 +29,9 @@ def test_streaming_reads_row_groups(tmp_path, small_trace):
 
 
 def test_conform_casts_and_fills_missing_columns():
-    t = pa.table({"request_id": ["a"], "arrival_s": [0], "input_tokens": [5], "output_tokens": [1],
-                  "block_hashes": [[1, 2]]})
+    t = pa.table(
+        {"request_id": ["a"], "arrival_s": [0], "input_tokens": [5], "output_tokens": [1], "block_hashes": [[1, 2]]}
+    )
     c = conform(t)
     assert c.schema.field("input_tokens").type == pa.int32()
     assert c.column("tenant").null_count == 1

@@ -3,7 +3,6 @@
 import math
 
 import pyarrow as pa
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +14,8 @@ from ..conftest import make_trace
 def violations(table, block_size=4):
     report = validate_table(table, block_size)
     return {(v.column, r) for v in report.violations for r in v.rows} | {
-        (v.column, None) for v in report.violations if not v.rows}
+        (v.column, None) for v in report.violations if not v.rows
+    }
 
 
 def set_value(table, column, row, value):
@@ -76,6 +76,7 @@ def test_report_caps_rows_but_counts_all():
 
 # --- properties -------------------------------------------------------------------------------------
 
+
 @st.composite
 def valid_traces(draw):
     n = draw(st.integers(1, 30))
@@ -88,9 +89,18 @@ def valid_traces(draw):
     parents = [None] + [draw(st.one_of(st.none(), st.integers(0, i - 1).map(lambda j: f"q{j}"))) for i in range(1, n)]
     deps = [[]] + [draw(st.lists(st.integers(0, i - 1).map(lambda j: f"q{j}"), max_size=3)) for i in range(1, n)]
     reasoning = [draw(st.integers(0, o)) for o in out]
-    table = make_trace(n=n, block_size=bs, request_id=[f"q{i}" for i in range(n)], arrival_s=arrival,
-                       input_tokens=inp, output_tokens=out, block_hashes=hashes, parent_id=parents,
-                       depends_on=deps, reasoning_tokens=reasoning)
+    table = make_trace(
+        n=n,
+        block_size=bs,
+        request_id=[f"q{i}" for i in range(n)],
+        arrival_s=arrival,
+        input_tokens=inp,
+        output_tokens=out,
+        block_hashes=hashes,
+        parent_id=parents,
+        depends_on=deps,
+        reasoning_tokens=reasoning,
+    )
     return table, bs
 
 
@@ -106,14 +116,27 @@ CORRUPTIONS = {
     "unsorted": ("arrival_s", lambda t, i: set_value(t, "arrival_s", i, t.column("arrival_s")[i - 1].as_py() - 1.0)),
     "negative_input": ("input_tokens", lambda t, i: set_value(t, "input_tokens", i, -3)),
     "negative_output": ("output_tokens", lambda t, i: set_value(t, "output_tokens", i, -1)),
-    "block_count": ("block_hashes", lambda t, i: set_value(t, "block_hashes", i, t.column("block_hashes")[i].as_py() + [7])),
+    "block_count": (
+        "block_hashes",
+        lambda t, i: set_value(t, "block_hashes", i, t.column("block_hashes")[i].as_py() + [7]),
+    ),
     "dangling_parent": ("parent_id", lambda t, i: set_value(t, "parent_id", i, "nobody")),
     "dangling_dep": ("depends_on", lambda t, i: set_value(t, "depends_on", i, ["nobody"])),
-    "cycle": ("depends_on", lambda t, i: set_value(set_value(t, "depends_on", i - 1, [t.column("request_id")[i].as_py()]),
-                                                   "depends_on", i, [t.column("request_id")[i - 1].as_py()])),
+    "cycle": (
+        "depends_on",
+        lambda t, i: set_value(
+            set_value(t, "depends_on", i - 1, [t.column("request_id")[i].as_py()]),
+            "depends_on",
+            i,
+            [t.column("request_id")[i - 1].as_py()],
+        ),
+    ),
     "duplicate": ("request_id", lambda t, i: set_value(t, "request_id", i, t.column("request_id")[i - 1].as_py())),
     "wrong_type": ("output_tokens", lambda t, i: set_value(t, "output_tokens", i, "many")),
-    "reasoning_over_output": ("reasoning_tokens", lambda t, i: set_value(t, "reasoning_tokens", i, t.column("output_tokens")[i].as_py() + 1)),
+    "reasoning_over_output": (
+        "reasoning_tokens",
+        lambda t, i: set_value(t, "reasoning_tokens", i, t.column("output_tokens")[i].as_py() + 1),
+    ),
 }
 
 
