@@ -1,0 +1,31 @@
+"""The committed sample traces: one per kind, small, valid, and made by the recipe next to them."""
+
+import re
+
+import pytest
+
+from kvbench.generators import get
+from kvbench.traceio import read_trace
+from kvbench.validate import validate_table
+
+from ..conftest import REPO
+
+SAMPLES = REPO / "traces" / "samples"
+RECIPE = re.findall(r"trace gen (\S+)\s+-n (\d+)\s+--seed (\d+)\s+-o \$out/(\S+)", (SAMPLES / "recipe.sh").read_text())
+
+
+def test_recipe_covers_every_kind():
+    assert {kind for kind, *_ in RECIPE} == {"chat", "agent", "multimodal", "reasoning", "multi-tenant", "mix"}
+
+
+@pytest.mark.parametrize("kind, n, seed, name", RECIPE)
+def test_sample_is_small_valid_and_matches_its_recipe(kind, n, seed, name):
+    path = SAMPLES / name
+    assert path.stat().st_size < 1_000_000
+    table, meta = read_trace(path)
+    assert validate_table(table, meta.block_size, source=str(path)).ok
+    assert table.num_rows == int(n)
+    assert meta.source["generator"] == kind and meta.source["seed"] == int(seed)
+    # The recorded parameters are the generator's current defaults, so the recipe still describes the file.
+    defaults = get(kind).params_type()
+    assert meta.source["params"] == {k: getattr(defaults, k) for k in meta.source["params"]}
