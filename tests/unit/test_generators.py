@@ -83,3 +83,15 @@ def test_mix_blends_kinds_by_weight():
     assert np.all(np.diff(arrival) >= 0)
     with pytest.raises(ValueError, match="kind=weight"):
         get("mix").run(10, weights="chat")
+
+
+def test_mix_puts_all_kinds_on_one_clock():
+    table, _ = get("mix").run(2000, seed=4)
+    frame = table.select(["workload", "arrival_s"]).to_pylist()
+    ends = {}
+    for r in frame:
+        ends[r["workload"]] = max(ends.get(r["workload"], 0.0), r["arrival_s"])
+    assert len(ends) == 5
+    assert max(ends.values()) == pytest.approx(min(ends.values()))
+    native, _ = get("mix").run(2000, seed=4, clock="native")
+    assert not native.column("arrival_s").equals(table.column("arrival_s"))
