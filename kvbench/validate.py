@@ -235,15 +235,17 @@ def validate_table(table: pa.Table, block_size: int, source: str = "<table>") ->
     return report
 
 
-def validate_file(path: str | Path) -> ValidationReport:
-    from .traceio import read_trace
-
-    table, meta = read_trace(path)
-    return validate_table(table, meta.block_size, source=str(path))
-
-
 def check(table: pa.Table, block_size: int, source: str) -> None:
-    """Raise ValidationFailed unless the trace is valid: a trace that fails is never replayed."""
+    """Raise ValidationFailed unless the trace is valid."""
     report = validate_table(table, block_size, source)
     if not report.ok:
         raise ValidationFailed(report)
+
+
+def read_valid_trace(path: str | Path):
+    """Read a trace and validate it; what replays and reports load, since an invalid trace is never replayed."""
+    from .traceio import read_trace
+
+    table, meta = read_trace(path)
+    check(table, meta.block_size, str(path))
+    return table, meta

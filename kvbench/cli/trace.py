@@ -10,11 +10,10 @@ from pathlib import Path
 import click
 
 from .. import generators, importers
-from ..errors import ValidationFailed
 from ..export import EXPORTERS
 from ..stats import DEFAULT_WARMUP, trace_info
 from ..traceio import read_trace, write_trace
-from ..validate import validate_table
+from ..validate import check, read_valid_trace, validate_table
 from .render import console, info_markdown, print_info
 
 
@@ -42,9 +41,7 @@ def _gen_command(gen: generators.Generator) -> click.Command:
         out = Path(out or f"{gen.name}-n{n}-s{seed}.parquet")
         with console.status(f"generating {n:,} {gen.name} requests"):
             table, meta = gen.run(n, seed=seed, block_size=block_size, **params)
-            report = validate_table(table, block_size, source=f"generated {gen.name}")
-        if not report.ok:  # a generator bug must never produce a file that looks fine
-            raise ValidationFailed(report)
+            check(table, block_size, f"generated {gen.name}")  # a generator bug must never yield a file
         write_trace(table, out, meta)
         click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {block_size})")
 
@@ -101,9 +98,7 @@ def _import_command(imp: importers.Importer) -> click.Command:
         options = {k: v for k, v in options.items() if v is not None}
         with console.status(f"importing {src}"):
             table, meta = imp.read(Path(src), **options)
-            report = validate_table(table, meta.block_size, source=str(src))
-        if not report.ok:
-            raise ValidationFailed(report)
+            check(table, meta.block_size, str(src))
         write_trace(table, out, meta)
         click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {meta.block_size})")
 
@@ -161,21 +156,13 @@ def import_() -> None:
 )
 def export(trace_path, fmt, out, renumber):
     """Write a kvbench trace in another tool's format."""
-    table, meta = _read_valid(trace_path)
+    table, meta = read_valid_trace(trace_path)
     out = Path(out or Path(trace_path).with_suffix(".jsonl"))
     EXPORTERS[fmt](table, meta, out, renumber=renumber)
     click.echo(f"wrote {out} ({table.num_rows:,} requests, {fmt}, block size {meta.block_size})")
 
 
 # --- info / validate ---------------------------------------------------------------------------------
-
-
-def _read_valid(path):
-    table, meta = read_trace(path)
-    report = validate_table(table, meta.block_size, source=str(path))
-    if not report.ok:
-        raise ValidationFailed(report)
-    return table, meta
 
 
 @trace.command()
@@ -192,7 +179,7 @@ def _read_valid(path):
 def info(trace_path, as_json, warmup, markdown):
     """Counts, duration, rates, length percentiles, per-workload/tenant breakdowns, unique blocks and the
     infinite-cache prefix hit rate (all requests and steady state)."""
-    table, meta = _read_valid(trace_path)
+    table, meta = read_valid_trace(trace_path)
     with console.status("computing statistics"):
         stats = trace_info(table, meta.block_size, warmup)
     stats = {"trace": str(trace_path), "source": meta.source, **stats}

@@ -1,0 +1,36 @@
+"""Packaging: console script, extras, and the backend plug-in group (DESIGN.md section 2)."""
+
+import subprocess
+import sys
+import tomllib
+
+from kvbench import plugins
+
+from ..conftest import REPO
+
+
+def test_extras_and_console_script():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert {"torch", "live", "ray", "dev", "all"} <= set(project["optional-dependencies"])
+    assert project["optional-dependencies"]["torch"] == ["torch==2.13.0"]  # the CPU wheel on disk
+    assert project["scripts"]["kvbench"] == "kvbench.cli:main"
+    assert project["requires-python"] == ">=3.11"
+
+
+def test_backends_are_namespaced_and_found_through_entry_points(tmp_path):
+    # Run outside the source tree so that only what pip installed is importable.
+    code = (
+        "import importlib.util, kvbench.backends, kvbench.plugins as p;"
+        "print(importlib.util.find_spec('backends') is None, kvbench.backends.__name__, p.backend_names())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    top_level_absent, name, names = out.stdout.split(" ", 2)
+    assert top_level_absent == "True" and name == "kvbench.backends"
+    assert sorted(eval(names)) == plugins.backend_names()
+
+
+def test_unknown_backend_error_names_the_available_ones():
+    import pytest
+
+    with pytest.raises(KeyError, match="unknown backend 'nope'"):
+        plugins.load_backend("nope")
