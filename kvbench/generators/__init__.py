@@ -13,8 +13,10 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
+from .. import __version__
 from ..traceio import TraceMeta, new_meta
 
 DEFAULT_BLOCK_SIZE = 64
@@ -34,7 +36,15 @@ class Generator:
             raise ValueError("the number of requests must be > 0")
         params = self.params_type(**overrides)
         table = self.build(params, n=n, seed=seed, block_size=block_size)
-        source = {"generator": self.name, "n": n, "seed": seed, "params": dataclasses.asdict(params)}
+        source = {
+            "generator": self.name,
+            "n": n,
+            "seed": seed,
+            "params": dataclasses.asdict(params),
+            # Random streams are numpy's: the same seed reproduces the trace with the same numpy release.
+            "numpy": np.__version__,
+            "kvbench": __version__,
+        }
         return table, new_meta(block_size, source)
 
 

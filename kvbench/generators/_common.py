@@ -45,6 +45,34 @@ def geometric_counts(rng: np.random.Generator, mean: float, cap: int, total: int
     return counts
 
 
+class Conversations:
+    """n requests grouped into multi-turn sessions: request i is turn `turn[i]` of session `session[i]`,
+    requests ordered by session then turn (so the previous turn of request i > 0 is request i - 1)."""
+
+    def __init__(self, rng: np.random.Generator, n: int, turns_mean: float, max_turns: int):
+        self.turns = geometric_counts(rng, turns_mean, max_turns, n)  # per session
+        self.session = np.repeat(np.arange(self.turns.size), self.turns)
+        self.turn = group_ranks(self.session)
+
+    @property
+    def n_sessions(self) -> int:
+        return self.turns.size
+
+    def arrivals(self, session_start: np.ndarray, decode_s: np.ndarray, think_s: np.ndarray) -> np.ndarray:
+        """Arrival of each request: its session's start, then for each later turn the previous turn's
+        (assumed) server time `decode_s` plus this turn's think time."""
+        step = np.where(self.turn > 0, np.roll(decode_s, 1) + think_s, 0.0)
+        csum = np.cumsum(step)
+        return session_start[self.session] + csum - np.repeat(csum[self.turn == 0], self.turns)
+
+    def earlier_turns(self, include_current: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pairs (request, k-th turn of its session before it): (request index, that turn's request index, k).
+        Every prompt replays its session's earlier turns; `include_current` adds the request itself last."""
+        req = np.repeat(np.arange(self.turn.size), self.turn + int(include_current))
+        k = group_ranks(req)
+        return req, req - self.turn[req] + k, k
+
+
 def poisson_arrivals(rng: np.random.Generator, rate: float, size: int) -> np.ndarray:
     """Arrival times (s) of a Poisson process with `rate` per second, starting at 0."""
     t = np.cumsum(rng.exponential(1.0 / rate, size))

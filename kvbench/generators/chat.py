@@ -11,10 +11,9 @@ import pyarrow.compute as pc
 from ..blockhash import content_ids, name_key
 from . import generator, param
 from ._common import (
+    Conversations,
     Segments,
     assemble,
-    geometric_counts,
-    group_ranks,
     lognormal_ints,
     poisson_arrivals,
     rng_for,
@@ -43,10 +42,8 @@ class ChatParams:
 def chat(p: ChatParams, n: int, seed: int, block_size: int):
     """Multi-turn chat with shared system prompts and human think time."""
     rng = rng_for(seed, "chat")
-    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
-    n_sessions = turns.size
-    session = np.repeat(np.arange(n_sessions), turns)  # one entry per request, requests grouped by session
-    turn = group_ranks(session)
+    conv = Conversations(rng, n, p.turns_mean, p.max_turns)
+    n_sessions, session, turn = conv.n_sessions, conv.session, conv.turn
 
     system = zipf_indices(rng, p.system_prompts, p.system_zipf, n_sessions)
     system_len = lognormal_ints(rng_for(seed, "chat", "sys-len"), p.system_tokens_mean, 0.5, p.system_prompts, lo=16)
@@ -54,22 +51,16 @@ def chat(p: ChatParams, n: int, seed: int, block_size: int):
     out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=16_000)
     think = rng.exponential(p.think_time_mean_s, n) * (turn > 0)
 
-    # Arrivals: conversations start as a Poisson process; a turn follows the previous one after its
-    # (assumed) decode time plus the think time.
+    # Conversations start as a Poisson process; a turn follows the previous one after its decode + think time.
     start = poisson_arrivals(rng, p.session_rate, n_sessions)
-    step = np.where(turn > 0, np.roll(out_len, 1) * p.decode_s_per_token + think, 0.0)
-    csum = np.cumsum(step)
-    first = np.flatnonzero(turn == 0)
-    arrival = start[session] + csum - np.repeat(csum[first], turns)
+    arrival = conv.arrivals(start, out_len * p.decode_s_per_token, think)
 
     key_user, key_answer = name_key("chat", seed, "user"), name_key("chat", seed, "answer")
     segs = Segments()
     req = np.arange(n)
     segs.add(req, content_ids(name_key("chat", seed, "system"), system[session]), system_len[system[session]], order=0)
     # History: every earlier turn of the same conversation contributes its user text and its answer.
-    hist_req = np.repeat(req, turn)
-    k = group_ranks(hist_req)
-    hist_turn = hist_req - turn[hist_req] + k  # global index of the k-th earlier turn
+    hist_req, hist_turn, k = conv.earlier_turns()
     segs.add(hist_req, content_ids(key_user, hist_turn), user_len[hist_turn], order=1 + 2 * k)
     segs.add(hist_req, content_ids(key_answer, hist_turn), out_len[hist_turn], order=2 + 2 * k)
     segs.add(req, content_ids(key_user, req), user_len, order=1 + 2 * turn)

@@ -21,9 +21,9 @@ from ..blockhash import content_ids, mix, name_key
 from ..schema import MM_ITEM
 from . import generator, param
 from ._common import (
+    Conversations,
     Segments,
     assemble,
-    geometric_counts,
     group_ranks,
     lognormal_ints,
     poisson_arrivals,
@@ -111,10 +111,8 @@ def _mm_items_column(item_hash, item_modality, offset, tokens, owner: np.ndarray
 def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     """Image/video/audio prompts with Zipf-popular, reusable media items and short sessions."""
     rng = rng_for(seed, "multimodal")
-    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
-    n_sessions = turns.size
-    session = np.repeat(np.arange(n_sessions), turns)  # requests grouped by session, turns in order
-    turn = group_ranks(session)
+    conv = Conversations(rng, n, p.turns_mean, p.max_turns)
+    n_sessions, session, turn = conv.n_sessions, conv.session, conv.turn
     req = np.arange(n)
 
     # Which requests carry media, and how many items each.
@@ -155,9 +153,7 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     # Arrivals as in chat: sessions start as a Poisson process, a turn follows the previous one after its
     # (assumed) decode time plus the think time.
     start = poisson_arrivals(rng, p.session_rate, n_sessions)
-    step = np.where(turn > 0, np.roll(out_len, 1) * p.decode_s_per_token + think, 0.0)
-    csum = np.cumsum(step)
-    arrival = start[session] + csum - np.repeat(csum[turn == 0], turns)
+    arrival = conv.arrivals(start, out_len * p.decode_s_per_token, think)
 
     # Where each turn's content starts, counted from the end of the system prompt: the sum of all earlier
     # turns of the session (their media, user text and answer). Equal for every later request.
@@ -166,9 +162,7 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     turn_start = before - before[req - turn]
 
     # Every request replays turns 0..turn of its session: pair (request, k) -> global turn index g.
-    pair_req = np.repeat(req, turn + 1)
-    k = group_ranks(pair_req)
-    g = pair_req - turn[pair_req] + k
+    pair_req, g, k = conv.earlier_turns(include_current=True)
     occ_pair = np.repeat(np.arange(pair_req.size), n_items[g])  # one entry per item occurrence in a prompt
     occ_item = item_first[g[occ_pair]] + group_ranks(occ_pair)
     occ_req = pair_req[occ_pair]

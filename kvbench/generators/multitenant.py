@@ -22,6 +22,7 @@ from ..blockhash import content_ids, name_key
 from ..schema import DEFAULT_PRIORITY
 from . import generator, param
 from ._common import (
+    Conversations,
     Segments,
     assemble,
     geometric_counts,
@@ -116,8 +117,8 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     """Zipf-skewed tenants with public/private prefixes, salts, priorities, LoRA and returning users."""
     rng = rng_for(seed, "multi-tenant")
     n_tenants = max(p.tenants, 1)
-    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
-    n_sessions = turns.size
+    conv = Conversations(rng, n, p.turns_mean, p.max_turns)
+    n_sessions = conv.n_sessions
     user_sessions = geometric_counts(rng, p.sessions_per_user_mean, p.max_sessions_per_user, n_sessions)
     n_users = user_sessions.size
     session_user = np.repeat(np.arange(n_users), user_sessions)  # sessions grouped by user
@@ -153,8 +154,7 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     s_adapter = np.where(s_uses, lora_first[session_tenant] + pick, -1)
 
     # Requests: sessions in order, turns in order.
-    session = np.repeat(np.arange(n_sessions), turns)
-    turn = group_ranks(session)
+    session, turn = conv.session, conv.turn
     req = np.arange(n)
     tenant = session_tenant[session]
     user = session_user[session]
@@ -162,9 +162,7 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     user_len = lognormal_ints(rng, p.user_tokens_mean, p.user_tokens_sigma, n, lo=1, hi=32_000)
     out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=16_000)
     think = rng.exponential(p.think_time_mean_s, n) * (turn > 0)
-    step = np.where(turn > 0, np.roll(out_len, 1) * p.decode_s_per_token + think, 0.0)
-    csum = np.cumsum(step)
-    arrival = starts[session] + csum - np.repeat(csum[turn == 0], turns)
+    arrival = conv.arrivals(starts, out_len * p.decode_s_per_token, think)
 
     segs = Segments()
     pub = public_of_tenant[tenant]
@@ -185,9 +183,7 @@ def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     )
     # Conversation so far: every earlier turn's user text and answer, then the new user text.
     key_user, key_answer = name_key("multi-tenant", seed, "user"), name_key("multi-tenant", seed, "answer")
-    hist_req = np.repeat(req, turn)
-    k = group_ranks(hist_req)
-    hist_turn = hist_req - turn[hist_req] + k
+    hist_req, hist_turn, k = conv.earlier_turns()
     segs.add(hist_req, content_ids(key_user, hist_turn), user_len[hist_turn], order=3 + 2 * k)
     segs.add(hist_req, content_ids(key_answer, hist_turn), out_len[hist_turn], order=4 + 2 * k)
     segs.add(req, content_ids(key_user, req), user_len, order=3 + 2 * turn)

@@ -11,10 +11,9 @@ import pyarrow.compute as pc
 from ..blockhash import content_ids, name_key
 from . import generator, param
 from ._common import (
+    Conversations,
     Segments,
     assemble,
-    geometric_counts,
-    group_ranks,
     lognormal_ints,
     poisson_arrivals,
     rng_for,
@@ -56,10 +55,8 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
     if p.decode_s_per_token < 0 or p.think_time_mean_s < 0:
         raise ValueError("decode_s_per_token and think_time_mean_s must be >= 0")
     rng = rng_for(seed, "reasoning")
-    turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)
-    n_sessions = turns.size
-    session = np.repeat(np.arange(n_sessions), turns)  # one entry per request, requests grouped by session
-    turn = group_ranks(session)
+    conv = Conversations(rng, n, p.turns_mean, p.max_turns)
+    n_sessions, session, turn = conv.n_sessions, conv.session, conv.turn
 
     system = zipf_indices(rng, p.system_prompts, p.system_zipf, n_sessions)
     system_len = lognormal_ints(
@@ -75,10 +72,7 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
     # Arrivals: a turn can only be sent after the whole previous decode (reasoning included) finished,
     # so the long decodes, not the think time, dominate the spacing of turns.
     start = poisson_arrivals(rng, p.session_rate, n_sessions)
-    step = np.where(turn > 0, np.roll(out_len, 1) * p.decode_s_per_token + think, 0.0)
-    csum = np.cumsum(step)
-    first = np.flatnonzero(turn == 0)
-    arrival = start[session] + csum - np.repeat(csum[first], turns)
+    arrival = conv.arrivals(start, out_len * p.decode_s_per_token, think)
 
     key_user = name_key("reasoning", seed, "user")
     key_thought = name_key("reasoning", seed, "reasoning")
@@ -90,9 +84,7 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
     # History: each earlier turn contributes its user text and its visible answer; its reasoning only when
     # keep_reasoning is set. The answer has the same content id either way, so the two variants share
     # every block up to the first dropped reasoning span.
-    hist_req = np.repeat(req, turn)
-    k = group_ranks(hist_req)
-    hist_turn = hist_req - turn[hist_req] + k  # global index of the k-th earlier turn
+    hist_req, hist_turn, k = conv.earlier_turns()
     segs.add(hist_req, content_ids(key_user, hist_turn), user_len[hist_turn], order=1 + 3 * k)
     if p.keep_reasoning:
         segs.add(hist_req, content_ids(key_thought, hist_turn), reasoning_len[hist_turn], order=2 + 3 * k)

@@ -29,3 +29,15 @@ def test_sample_is_small_valid_and_matches_its_recipe(kind, n, seed, name):
     # The recorded parameters are the generator's current defaults, so the recipe still describes the file.
     defaults = get(kind).params_type()
     assert meta.source["params"] == {k: getattr(defaults, k) for k in meta.source["params"]}
+
+
+@pytest.mark.parametrize("kind, n, seed, name", RECIPE)
+def test_sample_regenerates_identically(kind, n, seed, name):
+    import numpy as np
+
+    table, meta = read_trace(SAMPLES / name)
+    recorded = meta.source["numpy"].split(".")[:2]
+    if recorded != np.__version__.split(".")[:2]:
+        pytest.skip(f"sample made with numpy {meta.source['numpy']}, this is {np.__version__}")
+    regenerated, _ = get(kind).run(int(n), seed=int(seed), block_size=meta.block_size)
+    assert table.equals(regenerated), f"{kind} output changed: if intended, rerun traces/samples/recipe.sh"
