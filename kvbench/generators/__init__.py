@@ -8,8 +8,6 @@ options, so a new parameter shows up in `kvbench trace gen KIND --help` without 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import __version__
+from ..registry import Registry
 from ..traceio import TraceMeta, new_meta
 
 DEFAULT_BLOCK_SIZE = 64
@@ -48,8 +47,7 @@ class Generator:
         return table, new_meta(block_size, source)
 
 
-_loaded = False
-_REGISTRY: dict[str, Generator] = {}
+_REGISTRY: Registry[Generator] = Registry(__name__, "workload kind")
 
 
 def generator(name: str, params_type: type):
@@ -57,27 +55,14 @@ def generator(name: str, params_type: type):
 
     def wrap(fn):
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else name
-        _REGISTRY[name] = Generator(name, params_type, fn, summary)
+        _REGISTRY.add(name, Generator(name, params_type, fn, summary))
         return fn
 
     return wrap
 
 
-def registry() -> dict[str, Generator]:
-    global _loaded
-    if not _loaded:  # import every module once; each registers itself on import
-        _loaded = True
-        for mod in pkgutil.iter_modules(__path__):
-            if not mod.name.startswith("_"):
-                importlib.import_module(f"{__name__}.{mod.name}")
-    return dict(sorted(_REGISTRY.items()))
-
-
-def get(name: str) -> Generator:
-    gens = registry()
-    if name not in gens:
-        raise KeyError(f"unknown workload kind {name!r}; choose one of: {', '.join(gens)}")
-    return gens[name]
+registry = _REGISTRY.all
+get = _REGISTRY.get
 
 
 def param(default, help: str):

@@ -6,14 +6,13 @@ file, line/row and field for anything it cannot read, and never drops a record s
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TraceFormatError
+from ..registry import Registry
 
 # Help for the keyword options importers commonly take; an importer adds its own through `options=`.
 COMMON_OPTIONS = {
@@ -31,8 +30,7 @@ class Importer:
     option_help: dict[str, str]
 
 
-_loaded = False
-_REGISTRY: dict[str, Importer] = {}
+_REGISTRY: Registry[Importer] = Registry(__name__, "trace format")
 
 
 def importer(name: str, options: dict[str, str] | None = None):
@@ -40,27 +38,14 @@ def importer(name: str, options: dict[str, str] | None = None):
 
     def wrap(fn):
         summary = (fn.__doc__ or name).strip().splitlines()[0]
-        _REGISTRY[name] = Importer(name, fn, summary, {**COMMON_OPTIONS, **(options or {})})
+        _REGISTRY.add(name, Importer(name, fn, summary, {**COMMON_OPTIONS, **(options or {})}))
         return fn
 
     return wrap
 
 
-def registry() -> dict[str, Importer]:
-    global _loaded
-    if not _loaded:  # import every module once; each registers itself on import
-        _loaded = True
-        for mod in pkgutil.iter_modules(__path__):
-            if not mod.name.startswith("_"):
-                importlib.import_module(f"{__name__}.{mod.name}")
-    return dict(sorted(_REGISTRY.items()))
-
-
-def get(name: str) -> Importer:
-    imps = registry()
-    if name not in imps:
-        raise KeyError(f"unknown trace format {name!r}; choose one of: {', '.join(imps)}")
-    return imps[name]
+registry = _REGISTRY.all
+get = _REGISTRY.get
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
