@@ -65,6 +65,16 @@ class Conversations:
         csum = np.cumsum(step)
         return session_start[self.session] + csum - np.repeat(csum[self.turn == 0], self.turns)
 
+    def id_columns(self, prefix: str) -> dict[str, pa.Array]:
+        """request_id, session_id, turn and parent_id (the previous turn) for ids like 'chat-12', 'chat-s3'."""
+        req = np.arange(self.turn.size)
+        return {
+            "request_id": string_ids(f"{prefix}-", req),
+            "session_id": string_ids(f"{prefix}-s", self.session),
+            "turn": pa.array(self.turn.astype(np.int32)),
+            "parent_id": pc.if_else(pa.array(self.turn > 0), string_ids(f"{prefix}-", np.maximum(req - 1, 0)), None),
+        }
+
     def earlier_turns(self, include_current: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pairs (request, k-th turn of its session before it): (request index, that turn's request index, k).
         Every prompt replays its session's earlier turns; `include_current` adds the request itself last."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..blockhash import content_ids, name_key
 from . import generator, param
@@ -65,16 +63,12 @@ def chat(p: ChatParams, n: int, seed: int, block_size: int):
     segs.add(hist_req, content_ids(key_answer, hist_turn), out_len[hist_turn], order=2 + 2 * k)
     segs.add(req, content_ids(key_user, req), user_len, order=1 + 2 * turn)
 
-    ids = string_ids("chat-", req)
     columns = {
-        "request_id": ids,
+        **conv.id_columns("chat"),
         "arrival_s": arrival,
         "output_tokens": out_len.astype(np.int32),
         "workload": np.full(n, "chat", dtype=object),
         "user_id": string_ids("chat-u", session),
-        "session_id": string_ids("chat-s", session),
-        "turn": turn.astype(np.int32),
-        "parent_id": pc.if_else(pa.array(turn > 0), string_ids("chat-", np.maximum(req - 1, 0)), None),
         "think_time_s": think.astype(np.float32),
     }
     return assemble(columns, segs, n, block_size)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..blockhash import content_ids, mix, name_key
 from ..schema import MM_ITEM
@@ -28,7 +27,6 @@ from ._common import (
     lognormal_ints,
     poisson_arrivals,
     rng_for,
-    string_ids,
     zipf_indices,
 )
 
@@ -178,13 +176,10 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
 
     occ_offset = system_len[sys_of_req[occ_req]] + turn_start[g[occ_pair]] + item_turn_offset[occ_item]
     columns = {
-        "request_id": string_ids("mm-", req),
+        **conv.id_columns("mm"),
         "arrival_s": arrival,
         "output_tokens": out_len.astype(np.int32),
         "workload": np.full(n, "multimodal", dtype=object),
-        "session_id": string_ids("mm-s", session),
-        "turn": turn.astype(np.int32),
-        "parent_id": pc.if_else(pa.array(turn > 0), string_ids("mm-", np.maximum(req - 1, 0)), None),
         "think_time_s": think.astype(np.float32),
         "mm_items": _mm_items_column(
             item_hash[occ_item], item_modality[occ_item], occ_offset, item_tokens[occ_item], occ_req, n

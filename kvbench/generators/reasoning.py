@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..blockhash import content_ids, name_key
 from . import generator, param
@@ -92,15 +90,12 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int):
     segs.add(req, content_ids(key_user, req), user_len, order=1 + 3 * turn)
 
     columns = {
-        "request_id": string_ids("reasoning-", req),
+        **conv.id_columns("reasoning"),
         "arrival_s": arrival,
         "output_tokens": out_len.astype(np.int32),
         "reasoning_tokens": reasoning_len.astype(np.int32),
         "workload": np.full(n, "reasoning", dtype=object),
         "user_id": string_ids("reasoning-u", session),
-        "session_id": string_ids("reasoning-s", session),
-        "turn": turn.astype(np.int32),
-        "parent_id": pc.if_else(pa.array(turn > 0), string_ids("reasoning-", np.maximum(req - 1, 0)), None),
         "think_time_s": think.astype(np.float32),
     }
     return assemble(columns, segs, n, block_size)

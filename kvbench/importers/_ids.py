@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..blockhash import chain_ids, content_ids, is_prefix_consistent, name_key, prompt_block_ids
+from ..errors import TraceFormatError
 
 
 def suggest_block_size(lengths: np.ndarray, n_blocks: np.ndarray) -> str:
@@ -28,3 +29,16 @@ def unique_block_ids(namespace: np.uint64, row: np.ndarray, input_tokens: np.nda
     n = input_tokens.size
     _, ids = prompt_block_ids(np.arange(n), content_ids(namespace, row), input_tokens, n, block_size)
     return ids
+
+
+def check_block_counts(src, lines: list[int], input_tokens: np.ndarray, hashes: list[list], block_size: int) -> None:
+    """Every record needs ceil(input / block_size) ids; the error names the line and a block size that fits."""
+    n_blocks = np.fromiter((len(h) for h in hashes), dtype=np.int64, count=len(hashes))
+    bad = np.flatnonzero(n_blocks != -(-input_tokens // block_size))
+    if bad.size:
+        row = int(bad[0])
+        raise TraceFormatError(
+            f"{src}: line {lines[row]}: field 'hash_ids' has {n_blocks[row]} ids but input_length "
+            f"{input_tokens[row]} needs ceil({input_tokens[row]}/{block_size}) = {-(-input_tokens[row] // block_size)} "
+            f"({bad.size} rows differ){suggest_block_size(input_tokens, n_blocks)}"
+        )

@@ -23,7 +23,7 @@ from ..errors import TraceFormatError
 from ..schema import conform
 from ..traceio import new_meta
 from . import importer, read_jsonl, require
-from ._ids import prefix_chained, suggest_block_size
+from ._ids import check_block_counts, prefix_chained
 
 KNOWN_FIELDS = ("chat_id", "parent_chat_id", "timestamp", "input_length", "output_length", "type", "turn", "hash_ids")
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -115,15 +115,7 @@ def read_bailian(src: Path, block_size: int = 16, time_unit: str | None = None, 
         extra_rows.append({key: v for key, v in rec.items() if key not in KNOWN_FIELDS})
 
     inp_a = np.asarray(inp, dtype=np.int64)
-    n_blocks = np.fromiter((len(h) for h in hashes), dtype=np.int64, count=len(hashes))
-    bad = np.flatnonzero(n_blocks != -(-inp_a // block_size))
-    if bad.size:
-        row = int(bad[0])
-        raise TraceFormatError(
-            f"{src}: line {lines[row]}: field 'hash_ids' has {n_blocks[row]} ids but input_length "
-            f"{inp_a[row]} needs ceil({inp_a[row]}/{block_size}) = {-(-inp_a[row] // block_size)} "
-            f"({bad.size} rows differ){suggest_block_size(inp_a, n_blocks)}"
-        )
+    check_block_counts(src, lines, inp_a, hashes, block_size)
 
     session, missing = _sessions(chat, parent, lines, src)
     present = set(chat)

@@ -11,7 +11,7 @@ from ..errors import TraceFormatError
 from ..schema import conform
 from ..traceio import new_meta
 from . import importer, read_jsonl, require
-from ._ids import prefix_chained, suggest_block_size
+from ._ids import check_block_counts, prefix_chained
 
 KNOWN_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 TIME_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
@@ -49,15 +49,7 @@ def read_mooncake(src: Path, block_size: int = 512, time_unit: str | None = None
         bad = np.flatnonzero(values < lo)
         if bad.size:
             raise TraceFormatError(f"{src}: line {lines[bad[0]]}: field {name!r} must be >= {lo}, got {values[bad[0]]}")
-    n_blocks = np.fromiter((len(h) for h in hashes), dtype=np.int64, count=len(hashes))
-    bad = np.flatnonzero(n_blocks != -(-inp_a // block_size))
-    if bad.size:
-        row = int(bad[0])
-        raise TraceFormatError(
-            f"{src}: line {lines[row]}: field 'hash_ids' has {n_blocks[row]} ids but input_length "
-            f"{inp_a[row]} needs ceil({inp_a[row]}/{block_size}) = {-(-inp_a[row] // block_size)} "
-            f"({bad.size} rows differ){suggest_block_size(inp_a, n_blocks)}"
-        )
+    check_block_counts(src, lines, inp_a, hashes, block_size)
 
     block_hashes, rechained = prefix_chained(pa.array(hashes, type=pa.list_(pa.uint64())), src.name)
     extra_keys = sorted({k for r in extra_rows for k in r})
