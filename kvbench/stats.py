@@ -139,7 +139,11 @@ def trace_info(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP)
         "requests": n,
         "block_size": block_size,
         "duration_s": duration,
-        "request_rate_per_s": n / duration if duration > 0 else None,
+        "rates": {
+            "requests_per_s": n / duration if duration > 0 else None,
+            "input_tokens_per_s": float(inp.sum()) / duration if duration > 0 else None,
+            "output_tokens_per_s": float(out.sum()) / duration if duration > 0 else None,
+        },
         "input_tokens": {"total": int(inp.sum()), **_dist(inp)},
         "output_tokens": {"total": int(out.sum()), **_dist(out)},
         "blocks": {"references": int(n_blocks.sum()), "unique": unique_blocks},

@@ -25,7 +25,11 @@ def _sections(stats: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     overview = [
         ["requests", _fmt(stats["requests"])],
         ["duration (s)", _fmt(stats["duration_s"])],
-        ["request rate (req/s)", _fmt(stats["request_rate_per_s"])],
+        ["request rate (req/s)", _fmt(stats["rates"]["requests_per_s"])],
+        [
+            "input / output token rate (tok/s)",
+            f"{_fmt(stats['rates']['input_tokens_per_s'])} / {_fmt(stats['rates']['output_tokens_per_s'])}",
+        ],
         ["block size (tokens)", _fmt(stats["block_size"])],
         ["block references", _fmt(stats["blocks"]["references"])],
         ["unique blocks", _fmt(stats["blocks"]["unique"])],
