@@ -39,6 +39,8 @@ def main() -> None:
     """
 
 
-from .trace import trace  # noqa: E402  (attach subcommands after `main` exists)
+from .replay import replay  # noqa: E402  (attach subcommands after `main` exists)
+from .trace import trace  # noqa: E402
 
 main.add_command(trace)
+main.add_command(replay)

@@ -1,0 +1,232 @@
+"""`sim`: the offline prefix-cache simulator (DESIGN.md section 5). Requests are processed one at a time in
+arrival order; each policy x capacity is one point; the Belady bound runs beside the real policies."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import numpy as np
+import pyarrow as pa
+
+from kvbench.backend import PointResult
+from kvbench.capacity import KV_DTYPE_BYTES, MODELS, parse_capacities
+from kvbench.errors import KvbenchError
+from kvbench.traceio import TraceMeta
+
+from . import policies as _policies
+from .prepared import prepare
+
+BOUND = "belady"
+CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary and the plot
+
+
+def _parse_option(name: str, value):
+    """Policy options arrive as text from the CLI; quotas are 'tenant=share,…' or a TOML/JSON file."""
+    if value is None or not isinstance(value, str):
+        return value
+    if name == "quota":
+        path = Path(value)
+        if path.suffix in (".toml", ".json") and path.exists():
+            data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+            return {str(k): float(v) for k, v in data.items()}
+        quota = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            tenant, sep, share = part.rpartition("=")
+            try:
+                quota[tenant] = float(share)
+            except ValueError:
+                sep = ""
+            if not sep or not tenant:
+                raise KvbenchError(f"--quota {part!r}: write tenant=share (0..1 of the capacity) or tenant=blocks")
+        return quota
+    try:
+        return float(value)
+    except ValueError:
+        raise KvbenchError(f"--{name.replace('_', '-')} {value!r} must be a number") from None
+
+
+class SimBackend:
+    name = "sim"
+
+    @classmethod
+    def cli_options(cls) -> list[click.Option]:
+        pols = _policies.registry()
+        listing = ", ".join(f"{n} ({p.summary.rstrip('.')})" for n, p in pols.items())
+        opts = [
+            click.Option(
+                ["--policy"],
+                default="lru",
+                show_default=True,
+                help=f"eviction policy, or several separated by commas: {listing}",
+            ),
+            click.Option(
+                ["--capacity"],
+                help="cache size(s), comma-separated: blocks (10000), tokens (5M tok) or "
+                "bytes (40GiB, needs --model); a list makes a sweep",
+            ),
+            click.Option(
+                ["--model"],
+                type=click.Choice(list(MODELS)),
+                help="model geometry that converts byte capacities to tokens (KV bytes per token)",
+            ),
+            click.Option(
+                ["--kv-dtype"],
+                type=click.Choice(list(KV_DTYPE_BYTES)),
+                default="bf16",
+                show_default=True,
+                help="KV cache element type: scales bytes per token",
+            ),
+            click.Option(
+                ["--curve"],
+                is_flag=True,
+                help="the full hit-rate-vs-capacity curve of lru/vllm in one "
+                "pass (stack distances), with the Belady bound at a few capacities",
+            ),
+            click.Option(
+                ["--bound/--no-bound"],
+                default=True,
+                show_default=True,
+                help="also run the Belady optimum at the same capacities (the upper bound)",
+            ),
+            click.Option(
+                ["--salt/--no-salt"],
+                default=True,
+                show_default=True,
+                help="fold cache_salt into cache keys (tenants with different salts never share blocks)",
+            ),
+            click.Option(
+                ["--share-lora-kv"],
+                is_flag=True,
+                help="let requests of different LoRA adapters share KV (default: the adapter is in the key)",
+            ),
+            click.Option(
+                ["--reference"],
+                is_flag=True,
+                help="use the pure-Python reference implementations (slow; for verification)",
+            ),
+        ]
+        seen = set()
+        for pname, pol in pols.items():
+            for oname, help in pol.options.items():
+                if oname not in seen:
+                    seen.add(oname)
+                    opts.append(
+                        click.Option([f"--{oname.replace('_', '-')}", oname], default=None, help=f"[{pname}] {help}")
+                    )
+        return opts
+
+    def __init__(
+        self,
+        policy="lru",
+        capacity=None,
+        model=None,
+        kv_dtype="bf16",
+        curve=False,
+        bound=True,
+        salt=True,
+        share_lora_kv=False,
+        reference=False,
+        **policy_options,
+    ):
+        known = _policies.registry()
+        self.policies = [p.strip() for p in str(policy).split(",") if p.strip()]
+        for p in self.policies:
+            if p not in known:
+                raise KvbenchError(f"unknown policy {p!r}; choose from: {', '.join(known)}")
+        if capacity is None and not curve:
+            raise KvbenchError("give --capacity (e.g. --capacity 10000 or 1000,3000,10000) or --curve")
+        if curve and not any(known[p].stack for p in self.policies):
+            stack = ", ".join(n for n, p in known.items() if p.stack)
+            raise KvbenchError(f"--curve needs a stack policy ({stack}); got --policy {policy}")
+        self.capacity_spec, self.model, self.kv_dtype = capacity, model, kv_dtype
+        self.curve, self.bound, self.salt, self.share_lora_kv = curve, bound, salt, share_lora_kv
+        self.reference = reference
+        self.policy_options = {k: _parse_option(k, v) for k, v in policy_options.items() if v is not None}
+
+    def config(self) -> dict:
+        return {
+            "policies": self.policies,
+            "capacity": self.capacity_spec,
+            "model": self.model,
+            "kv_dtype": self.kv_dtype,
+            "curve": self.curve,
+            "bound": self.bound,
+            "salt": self.salt,
+            "share_lora_kv": self.share_lora_kv,
+            "reference": self.reference,
+            "policy_options": self.policy_options,
+        }
+
+    def _check_needs(self, pol, trace: pa.Table) -> None:
+        for col in pol.needs:
+            if col not in trace.column_names or trace.column(col).null_count == trace.num_rows:
+                raise KvbenchError(
+                    f"policy {pol.name} needs the trace column {col!r}, which is empty in this "
+                    f"trace; pick another policy or a trace that has {col}"
+                )
+
+    def replay(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
+        bs = meta.block_size
+        caps = parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype) if self.capacity_spec else []
+        names = list(self.policies)
+        if self.bound and BOUND not in names and caps:
+            names.append(BOUND)
+        pols = [_policies.get(n) for n in names]
+        for pol in pols:
+            self._check_needs(pol, trace)
+        prepared = {}
+
+        def prepared_for(name):
+            cap = name == "vllm"  # vLLM recomputes at least the last prompt token
+            if cap not in prepared:
+                prepared[cap] = prepare(trace, bs, use_salt=self.salt, share_lora=self.share_lora_kv, vllm_cap=cap)
+            return prepared[cap]
+
+        self.n_points = len(pols) * len(caps) + (self.curve and sum(p.stack for p in pols))
+        for pol in pols:
+            for cap in caps:
+                yield self._point(pol, prepared_for(pol.name), cap.blocks, cap.text)
+        if self.curve:
+            yield from self._curves(pols, prepared_for)
+
+    def _point(self, pol, prep, blocks: int, text: str) -> PointResult:
+        run = pol.reference if self.reference else pol.kernel
+        out = run(prep, blocks, self.policy_options)
+        hit_tokens = np.minimum(out.hit_blocks.astype(np.int64) * prep.block_size, prep.input_tokens)
+        steady_from = int(prep.n_requests * 0.5)
+        return PointResult(
+            labels={"policy": pol.name, "capacity_blocks": blocks},
+            columns={
+                "hit_blocks": out.hit_blocks,
+                "hit_tokens": hit_tokens,
+                "hit_tokens_hbm": hit_tokens,
+                "evictions": out.evictions,
+            },
+            extra={
+                "capacity": text,
+                "evict_matrix": out.evict_matrix,
+                "tenant_names": prep.tenant_names,
+                "filled_at_request": int(out.filled_at),
+                # kvcache-simulator prints "underfilled" instead of a number; we keep the number and flag it
+                "underfilled": bool(out.filled_at < 0 or out.filled_at >= steady_from),
+            },
+        )
+
+    def _curves(self, pols, prepared_for) -> Iterator[PointResult]:
+        from .curve import lru_curve
+
+        for pol in pols:
+            if not pol.stack:
+                continue
+            prep = prepared_for(pol.name)
+            curve = lru_curve(prep, vllm=pol.name == "vllm")
+            grid = np.unique(np.geomspace(1, max(prep.n_keys, 2), CURVE_POINTS).astype(np.int64))
+            yield PointResult(labels={"policy": pol.name}, extra={"curve": curve.summary(grid)})
+        if self.bound:
+            prep = prepared_for(BOUND)
+            for blocks in np.unique(np.geomspace(max(prep.n_keys // 1000, 1), prep.n_keys, 8).astype(np.int64)):
+                yield self._point(_policies.get(BOUND), prep, int(blocks), str(blocks))

@@ -1,0 +1,125 @@
+"""Metrics of one configuration point (DESIGN.md section 7): hit rates overall, per tenant / workload /
+modality, and fairness across tenants. Pure functions of the per-request results and the trace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .stats import hit_rates
+
+
+def jain_index(values) -> float | None:
+    """Jain's fairness index (sum x)^2 / (n * sum x^2): 1 when all equal, 1/n when one takes all."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0 or not np.any(x):
+        return None
+    return float(x.sum() ** 2 / (x.size * np.square(x).sum()))
+
+
+def max_min_ratio(values) -> float | None:
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0 or x.min() <= 0:
+        return None  # undefined when some tenant gets nothing; the per-tenant table shows who
+    return float(x.max() / x.min())
+
+
+def _groups(keys: list, input_tokens: np.ndarray, hit_tokens: np.ndarray, steady_from: int) -> list[dict]:
+    labels = np.array(["(none)" if k is None else k for k in keys], dtype=object)
+    out = []
+    steady = np.arange(labels.size) >= steady_from
+    for name in sorted(set(labels.tolist())):
+        sel = labels == name
+        inp, hit = input_tokens[sel], hit_tokens[sel]
+        s_inp, s_hit = input_tokens[sel & steady], hit_tokens[sel & steady]
+        out.append(
+            {
+                "name": name,
+                "requests": int(sel.sum()),
+                "input_tokens": int(inp.sum()),
+                "hit_tokens": int(hit.sum()),
+                "hit_rate": float(hit.sum() / inp.sum()) if inp.sum() else 0.0,
+                "hit_rate_steady": float(s_hit.sum() / s_inp.sum()) if s_inp.sum() else None,
+            }
+        )
+    return sorted(out, key=lambda g: -g["input_tokens"])
+
+
+def _by_modality(trace: pa.Table, hit_tokens: np.ndarray, input_tokens: np.ndarray) -> list[dict]:
+    """Hit rate of the tokens inside image/video/audio spans, by modality, and of the remaining text."""
+    mm = trace.column("mm_items")
+    if mm.null_count == trace.num_rows:
+        return []
+    mm = mm.combine_chunks()
+    flat = pc.list_flatten(mm)
+    if len(flat) == 0:
+        return []
+    owner = np.asarray(pc.list_parent_indices(mm))
+    offset = pc.struct_field(flat, "offset").to_numpy(zero_copy_only=False).astype(np.int64)
+    tokens = pc.struct_field(flat, "tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+    modality = np.array(pc.struct_field(flat, "modality").to_pylist(), dtype=object)
+    hit_in_span = np.clip(hit_tokens[owner] - offset, 0, tokens)
+    rows = []
+    for name in sorted(set(modality.tolist())):
+        sel = modality == name
+        rows.append(
+            {
+                "name": name,
+                "tokens": int(tokens[sel].sum()),
+                "hit_tokens": int(hit_in_span[sel].sum()),
+                "hit_rate": float(hit_in_span[sel].sum() / tokens[sel].sum()),
+            }
+        )
+    text_tokens = int(input_tokens.sum() - tokens.sum())
+    text_hits = int(hit_tokens.sum() - hit_in_span.sum())
+    rows.append(
+        {
+            "name": "text",
+            "tokens": text_tokens,
+            "hit_tokens": text_hits,
+            "hit_rate": text_hits / text_tokens if text_tokens else 0.0,
+        }
+    )
+    return rows
+
+
+def point_metrics(
+    trace: pa.Table,
+    block_size: int,
+    hit_blocks: np.ndarray,
+    warmup: float,
+    evictions: np.ndarray | None = None,
+    evict_matrix: np.ndarray | None = None,
+    tenant_names: list[str] | None = None,
+) -> dict:
+    """Everything summary.json reports for one point; keys are documented in the README."""
+    input_tokens = trace.column("input_tokens").to_numpy().astype(np.int64)
+    n_blocks = pc.list_value_length(trace.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
+    hit_blocks = np.asarray(hit_blocks, dtype=np.int64)
+    hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
+    steady_from = int(trace.num_rows * warmup)
+
+    def labels(name):
+        col = trace.column(name)
+        return (col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col).to_pylist()
+
+    by_tenant = _groups(labels("tenant"), input_tokens, hit_tokens, steady_from)
+    tenant_rates = [g["hit_rate"] for g in by_tenant]
+    fairness = {
+        "jain": {"hit_rate": jain_index(tenant_rates)},
+        "max_min_ratio": {"hit_rate": max_min_ratio(tenant_rates)},
+        "tenants": len(by_tenant),
+    }
+    if evict_matrix is not None:
+        fairness["evictor_victim"] = {"tenants": tenant_names, "matrix": np.asarray(evict_matrix).tolist()}
+    return {
+        "hit_rate": hit_rates(hit_blocks, n_blocks, input_tokens, block_size, warmup),
+        "hit_tokens": int(hit_tokens.sum()),
+        "input_tokens": int(input_tokens.sum()),
+        "evictions": int(np.sum(evictions)) if evictions is not None else None,
+        "by_tenant": by_tenant,
+        "by_workload": _groups(labels("workload"), input_tokens, hit_tokens, steady_from),
+        "by_modality": _by_modality(trace, hit_tokens, input_tokens),
+        "fairness": fairness,
+    }

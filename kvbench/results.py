@@ -1,0 +1,72 @@
+"""Per-request result records (requests.parquet), written incrementally so an interrupted run keeps what
+it measured. One schema for every backend; a backend leaves the columns it does not measure null."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .backend import PointResult
+
+RESULT_SCHEMA = pa.schema(
+    [
+        pa.field("point", pa.string()),  # configuration point, e.g. "lru/10000"
+        pa.field("request_id", pa.string()),
+        pa.field("tenant", pa.string()),
+        pa.field("workload", pa.string()),
+        pa.field("input_tokens", pa.int32()),
+        pa.field("output_tokens", pa.int32()),
+        pa.field("hit_blocks", pa.int32()),
+        pa.field("hit_tokens", pa.int32()),
+        pa.field("hit_tokens_hbm", pa.int32()),
+        pa.field("hit_tokens_dram", pa.int32()),
+        pa.field("hit_tokens_ssd", pa.int32()),
+        pa.field("evictions", pa.int32()),  # blocks this request's insertions evicted
+        pa.field("scheduled_send_s", pa.float64()),
+        pa.field("actual_send_s", pa.float64()),
+        pa.field("ttft_s", pa.float64()),
+        pa.field("tpot_s", pa.float64()),
+        pa.field("e2el_s", pa.float64()),
+        pa.field("itl_s", pa.list_(pa.float32())),
+        pa.field("cached_tokens", pa.int32()),  # as reported by the server
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+
+def _text(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    return col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
+
+
+class ResultWriter:
+    """Appends one row group per point to requests.parquet; `close()` (also on interruption) seals the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._writer = pq.ParquetWriter(path, RESULT_SCHEMA, compression="zstd")
+
+    def write(self, trace: pa.Table, point: PointResult) -> pa.Table:
+        n = trace.num_rows
+        arrays = {
+            "point": pa.array(np.full(n, point.name, dtype=object), pa.string()),
+            "request_id": trace.column("request_id"),
+            "tenant": _text(trace.column("tenant")),
+            "workload": _text(trace.column("workload")),
+            "input_tokens": trace.column("input_tokens"),
+            "output_tokens": trace.column("output_tokens"),
+        }
+        for f in RESULT_SCHEMA:
+            if f.name in arrays:
+                continue
+            values = point.columns.get(f.name)
+            arrays[f.name] = pa.nulls(n, f.type) if values is None else pa.array(values).cast(f.type)
+        table = pa.table(arrays, schema=RESULT_SCHEMA)
+        self._writer.write_table(table)
+        return table
+
+    def close(self) -> None:
+        self._writer.close()
