@@ -9,6 +9,7 @@ from collections import OrderedDict
 import numpy as np
 from numba import njit
 
+from .._densify import scratch
 from . import SimOutput, policy
 from ._reference import PrefixCache
 
@@ -37,68 +38,98 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _LruReference(trace, capacity, options).run()
 
 
+_NONE = np.uint32(0xFFFFFFFF)
+
+
 @njit(cache=True)
-def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity):
+def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, link, owner):
+    """`keys` viewed as uint32 and `link` (uint32[2 * n_keys + 2], work buffer): the recency list, prev of key
+    k at 2k and next at 2k+1, prev = _NONE when k is not cached. Node S = n_keys is the sentinel of the
+    circular list (its next is the least recent key, the head), so linking and unlinking never branch on the
+    ends; the most recent key, the tail, is kept in a local. Indices are unsigned so that numba emits no
+    negative-index fix-ups. `owner` (int32[n_keys], work buffer) is used only with several tenants."""
     n = offsets.size - 1
-    # Doubly linked recency list over dense keys; head = least recent. -1 terminates.
-    prev = np.full(n_keys, -1, np.int32)
-    nxt = np.full(n_keys, -1, np.int32)
-    cached = np.zeros(n_keys, np.bool_)
-    owner = np.zeros(n_keys, np.int32)
-    head, tail, size = -1, -1, 0
+    one, two = np.uint64(1), np.uint64(2)
+    S = np.uint64(n_keys)
+    s32 = np.uint32(n_keys)
+    link[: 2 * n_keys] = _NONE
+    link[two * S] = s32
+    link[two * S + one] = s32
+    tail = S
+    multi = n_tenants > 1
+    size = 0
     hit_blocks = np.zeros(n, np.int32)
     evictions = np.zeros(n, np.int32)
     matrix = np.zeros((n_tenants, n_tenants), np.int64)
     filled_at = -1
+    total_evictions = 0
     for r in range(n):
         lo, hi = offsets[r], offsets[r + 1]
-        h = 0
-        while h < max_hit[r] and cached[keys[lo + h]]:
-            h += 1
-        hit_blocks[r] = h
+        # The lookup is folded into the update: while every earlier block hit, nothing was evicted, so the
+        # cache holds exactly what the lookup saw.
+        prefix_end = lo + max_hit[r]
+        h = lo
+        ev = 0
+        t = tenant[r]
         for j in range(lo, hi):
-            k = keys[j]
-            if cached[k]:
+            k = np.uint64(keys[j])
+            p = link[two * k]
+            if p != _NONE:  # cached: unlink (nothing to do for the most recent key)
+                if h == j and j < prefix_end:
+                    h += 1
                 if k == tail:
                     continue
-                # unlink
-                p, q = prev[k], nxt[k]
-                if p != -1:
-                    nxt[p] = q
+                q = link[two * k + one]
+                link[two * np.uint64(p) + one] = q
+                link[two * np.uint64(q)] = p
+            else:
+                if size >= capacity:  # evict the head (least recent)
+                    v = np.uint64(link[two * S + one])
+                    q = link[two * v + one]
+                    link[two * S + one] = q
+                    link[two * np.uint64(q)] = s32
+                    link[two * v] = _NONE
+                    if q == s32:
+                        tail = S
+                    ev += 1
+                    if multi:
+                        matrix[t, owner[v]] += 1
                 else:
-                    head = q
-                prev[q] = p
-            else:
-                if size >= capacity:
-                    v = head
-                    head = nxt[v]
-                    if head != -1:
-                        prev[head] = -1
-                    else:
-                        tail = -1
-                    cached[v] = False
-                    size -= 1
-                    evictions[r] += 1
-                    matrix[tenant[r], owner[v]] += 1
-                cached[k] = True
-                owner[k] = tenant[r]
-                size += 1
-                if size >= capacity and filled_at < 0:
-                    filled_at = r
-            # link at tail (most recent)
-            prev[k] = tail
-            nxt[k] = -1
-            if tail != -1:
-                nxt[tail] = k
-            else:
-                head = k
+                    size += 1
+                    if size >= capacity and filled_at < 0:
+                        filled_at = r
+                if multi:
+                    owner[k] = t
+            # link at the tail (most recent)
+            link[two * k] = np.uint32(tail)
+            link[two * k + one] = s32
+            link[two * tail + one] = np.uint32(k)
             tail = k
+        hit_blocks[r] = h - lo
+        evictions[r] = ev
+        total_evictions += ev
+    if not multi and n_tenants == 1:
+        matrix[0, 0] = total_evictions
     return hit_blocks, evictions, matrix, filled_at
 
 
 @policy("lru", reference=reference, stack=True)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Classic block LRU: every block of a request is referenced in order."""
-    out = _lru(trace.keys, trace.offsets, trace.max_hit, trace.tenant, trace.n_keys,
-               len(trace.tenant_names), capacity)
+    if capacity <= 0:
+        raise ValueError("capacity must be > 0 blocks")
+    n_tenants = len(trace.tenant_names)
+    link = scratch("lru.link", 2 * trace.n_keys + 2, np.uint32)
+    owner = scratch("lru.owner", trace.n_keys if n_tenants > 1 else 0, np.int32)
+    out = _lru(
+        np.ascontiguousarray(trace.keys, dtype=np.int32).view(np.uint32),
+        trace.offsets,
+        trace.max_hit,
+        trace.tenant,
+        trace.n_keys,
+        n_tenants,
+        int(capacity),
+        link,
+        owner,
+    )
     return SimOutput(*out)
