@@ -33,6 +33,7 @@ class PreparedTrace:
     tenant: np.ndarray  # int32[n], index into tenant_names (0 = "(none)" when the trace has no tenants)
     tenant_names: list[str]
     priority: np.ndarray  # int8[n], retention priority 0-100 (TensorRT-LLM semantics)
+    arrival_s: np.ndarray | None = None  # float64[n], seconds since trace start (time-based policy options)
     _next_use: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -118,6 +119,7 @@ def prepare(
         keys=keys,
         parent=parent,
         input_tokens=input_tokens,
+        arrival_s=table.column("arrival_s").to_numpy().astype(np.float64),
         max_hit=max_hit.astype(np.int32),
         tenant=tenant,
         tenant_names=names,

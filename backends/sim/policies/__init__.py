@@ -12,8 +12,8 @@ capped at `trace.max_hit[i]`), then the cache update.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class SimOutput:
     filled_at: int  # first request index after which the cache was full; -1 if it never filled
 
     @classmethod
-    def empty(cls, trace: PreparedTrace) -> "SimOutput":
+    def empty(cls, trace: PreparedTrace) -> SimOutput:
         t = len(trace.tenant_names)
         n = trace.n_requests
         return cls(np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros((t, t), np.int64), -1)
