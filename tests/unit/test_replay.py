@@ -168,3 +168,27 @@ def test_interrupted_run_keeps_finished_points(tmp_path, monkeypatch):
     assert len(saved["points"]) == 1 and saved["interrupted"]
     assert pq.read_table(run_dir / "requests.parquet").num_rows == 2000
     assert (run_dir / "report.html").exists()
+
+
+def test_curve_with_belady_bound(tmp_path):
+    out = tmp_path / "curve"
+    r = kvbench("replay", CHAT, "--policy", "lru,vllm", "--curve", "--out", out)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert [c["policy"] for c in s["curves"]] == ["lru", "vllm"]
+    for c in s["curves"]:
+        assert np.all(np.diff(c["capacity_blocks"]) > 0)
+        assert np.all(np.diff(c["token_steady"]) >= 0)  # more cache never hurts a stack policy
+        assert c["token_all"][-1] <= s["infinite_cache"]["token"]["all"] + 1e-12
+    bound = {p["capacity_blocks"]: p["hit_rate"]["token"]["steady"] for p in s["points"] if p["policy"] == "belady"}
+    assert len(bound) >= 5
+    lru = s["curves"][0]
+    for cap, h in bound.items():  # optimum(C) >= lru(C) >= lru(C') for the largest sampled C' <= C
+        i = np.searchsorted(lru["capacity_blocks"], cap, side="right") - 1
+        assert i >= 0 and h >= lru["token_steady"][i] - 1e-12
+    assert "one-pass curve" in (out / "report.html").read_text()
+
+
+def test_curve_needs_a_stack_policy(tmp_path):
+    r = kvbench("replay", CHAT, "--policy", "fifo", "--curve", "--out", tmp_path / "r")
+    assert r.returncode != 0 and "needs a stack policy" in r.stderr
