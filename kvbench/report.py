@@ -151,13 +151,14 @@ def _plots(summary: dict) -> list[tuple[str, str]]:
 
         m = np.asarray(ev["matrix"], dtype=float)[:30, :30]
         fig, ax = plt.subplots(figsize=(6, 5))
-        im = ax.imshow(m, cmap="viridis")
+        # log scale: one heavy tenant would otherwise paint every other cell the same colour
+        im = ax.imshow(m + 1, cmap="viridis", norm=matplotlib.colors.LogNorm(vmin=1, vmax=max(m.max() + 1, 2)))
         ax.set_xlabel("victim tenant")
         ax.set_ylabel("evicting tenant")
         names = ev["tenants"][:30]
         ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
         ax.set_yticks(range(len(names)), names, fontsize=6)
-        fig.colorbar(im, label="blocks evicted")
+        fig.colorbar(im, label="blocks evicted + 1 (log scale)")
         plots.append((f"Evictor × victim ({point['name']})", _svg(fig)))
     return plots
 
