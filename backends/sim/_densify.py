@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import njit
+
+from ._compiled import i8, kernel_fn
 
 _EMPTY = np.int32(-1)
 
@@ -37,7 +38,7 @@ def scratch(name: str, size: int, dtype) -> np.ndarray:
     return buf[:size]
 
 
-@njit(cache=True)
+@kernel_fn()
 def _mix64(x):
     # splitmix64 finaliser spreads clustered source ids (e.g. 0, 1, 2 ...) over the table
     z = x + np.uint64(0x9E3779B97F4A7C15)
@@ -46,7 +47,7 @@ def _mix64(x):
     return z ^ (z >> np.uint64(31))
 
 
-@njit(cache=True)
+@kernel_fn()
 def _rehash(slots, size, uniq, n_keys):
     """Empty the first `size` slots (a power of two) of the table, growing it if needed, and put back the keys
     numbered so far (slot -> dense key; the 64-bit id of dense key v is uniq[v])."""
@@ -62,7 +63,7 @@ def _rehash(slots, size, uniq, n_keys):
     return slots
 
 
-@njit(cache=True)
+@kernel_fn("Tuple((i4[::1], i4[::1], i4[::1]))(u8[::1], i8[::1], i4[::1])")
 def _densify(ids, offsets, slots):
     """Open addressing, linear probing. The table grows with the number of unique keys (load <= 1/2, checked
     before each request so that the inner loop never rehashes). It starts at m slots up to 2**19 (2 MiB,
@@ -105,7 +106,7 @@ def _densify(ids, offsets, slots):
     return keys, parent[:n_keys].copy(), slots
 
 
-@njit(cache=True)
+@kernel_fn("Tuple((i4[::1], i4[::1], b1))(u8[::1], i8[::1], i8)")
 def _densify_ordered(ids, offsets, bound):
     """Ids that are already numbered by first appearance (each new id one above the largest so far, as in
     imported traces such as Mooncake's) are their own dense keys: no table. Returns ok=False as soon as an id
@@ -128,7 +129,7 @@ def _densify_ordered(ids, offsets, bound):
     return keys, parent, n_keys == bound
 
 
-@njit(cache=True)
+@kernel_fn("Tuple((i4[::1], i4[::1]))(u8[::1], i8[::1], i4[::1])")
 def _densify_small(ids, offsets, table):
     """Same as _densify for ids that are already small integers (imported traces): a direct table."""
     table[:] = -1
@@ -156,7 +157,7 @@ def densify(ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarra
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     top = int(ids.max()) if ids.size else -1
     if 0 <= top < 4 * ids.size + 1024:
-        keys, parent, ok = _densify_ordered(ids, offsets, top + 1)
+        keys, parent, ok = _densify_ordered(ids, offsets, int(top + 1))
         if ok:
             return keys, parent
         return _densify_small(ids, offsets, scratch("densify.table", top + 1, np.int32))
@@ -166,7 +167,7 @@ def densify(ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return keys, parent
 
 
-@njit(cache=True)
+@kernel_fn("i4[::1](i4[::1], i8[::1], i8)")
 def _next_request_use(keys, offsets, n_keys):
     n_req = offsets.size - 1
     never = np.int32(n_req + 1)
@@ -181,4 +182,4 @@ def _next_request_use(keys, offsets, n_keys):
 
 
 def next_request_use(keys: np.ndarray, offsets: np.ndarray, n_keys: int) -> np.ndarray:
-    return _next_request_use(keys, offsets, n_keys)
+    return _next_request_use(np.ascontiguousarray(keys, dtype=np.int32), i8(offsets), int(n_keys))

@@ -22,17 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from kvbench.stats import DEFAULT_WARMUP
 
+from ._compiled import i4, i8, kernel_fn
 from ._densify import scratch
 from .prepared import PreparedTrace
 
 NEVER = np.iinfo(np.int32).max  # depth of a block no capacity holds at the lookup
 
 
-@njit(cache=True)
+@kernel_fn()
 def _fenwick_range(bit, a, b):
     """Sum of positions a..b (1-based, a <= b + 1) of the Fenwick tree: the two prefix walks meet early when
     the range is short, as reuse ranges mostly are."""
@@ -48,7 +48,7 @@ def _fenwick_range(bit, a, b):
     return s
 
 
-@njit(cache=True)
+@kernel_fn("i4[::1](i4[::1], i8[::1], i4[::1], i8[::1], i8, b1, i8, i4[::1], i4[::1])")
 def _depths(keys, offsets, max_hit, input_tokens, block_size, vllm, n_keys, bit, last):
     """For every reference j, the largest lookup depth over the blocks of its request up to j (NEVER when one
     of them is not cached at any capacity, or j >= max_hit). `bit` (int32[m + 1]) and `last` (int32[n_keys])
@@ -105,7 +105,7 @@ def _depths(keys, offsets, max_hit, input_tokens, block_size, vllm, n_keys, bit,
     return depth
 
 
-@njit(cache=True)
+@kernel_fn("i8[:, ::1](i4[::1], i8[::1], i4[::1], i8[::1], i8, i8, i8)")
 def _histograms(depth, offsets, max_hit, input_tokens, block_size, steady_from, n_keys):
     """Hit blocks and hit tokens by prefix depth, over all requests and over the steady state, cumulated:
     entry C is what a cache of C blocks hits (C = 0..n_keys)."""
@@ -131,7 +131,7 @@ def _histograms(depth, offsets, max_hit, input_tokens, block_size, steady_from, 
     return out
 
 
-@njit(cache=True)
+@kernel_fn("i4[::1](i4[::1], i8[::1], i4[::1], i8)")
 def _hit_blocks_at(depth, offsets, max_hit, capacity):
     n = offsets.size - 1
     out = np.zeros(n, np.int32)
@@ -212,7 +212,7 @@ class Curve:
 
     def hit_blocks(self, capacity: int) -> np.ndarray:
         """int32[n]: leading blocks of each request that hit at this capacity (what a kernel replay gives)."""
-        return _hit_blocks_at(self.depth, self.offsets, self.max_hit, int(capacity))
+        return _hit_blocks_at(i4(self.depth), i8(self.offsets), i4(self.max_hit), int(capacity))
 
     def hit_tokens(self, capacity: int, input_tokens: np.ndarray) -> np.ndarray:
         return np.minimum(self.hit_blocks(capacity).astype(np.int64) * self.block_size, input_tokens)
@@ -232,13 +232,11 @@ def lru_curve(trace: PreparedTrace, vllm: bool = False, warmup: float = DEFAULT_
     n = trace.n_requests
     last = scratch("curve.last", trace.n_keys, np.int32)
     bit = scratch("curve.bit", trace.keys.size + 1, np.int32)
-    depth = _depths(
-        trace.keys, trace.offsets, trace.max_hit, trace.input_tokens, trace.block_size, vllm, trace.n_keys, bit, last
-    )
+    offsets, max_hit, input_tokens = i8(trace.offsets), i4(trace.max_hit), i8(trace.input_tokens)
+    block_size, n_keys = int(trace.block_size), int(trace.n_keys)
+    depth = _depths(i4(trace.keys), offsets, max_hit, input_tokens, block_size, bool(vllm), n_keys, bit, last)
     steady_from = int(n * warmup)
-    cumulative = _histograms(
-        depth, trace.offsets, trace.max_hit, trace.input_tokens, trace.block_size, steady_from, trace.n_keys
-    )
+    cumulative = _histograms(depth, offsets, max_hit, input_tokens, block_size, steady_from, n_keys)
     n_blocks = trace.n_blocks
     return Curve(
         policy="vllm" if vllm else "lru",

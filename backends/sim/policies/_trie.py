@@ -17,8 +17,8 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-from numba import njit
 
+from .._compiled import SIM_OUT, i4, i8, kernel_fn
 from . import SimOutput
 from ._reference import PrefixCache
 
@@ -33,7 +33,7 @@ CODE, STAMP, PARENT, NCHILD, OWNER, PROT, PRIO, USED_BY = range(8)
 # retention priority and the request that set it.
 
 
-@njit(cache=True)
+@kernel_fn()
 def new_nodes(parent):
     nodes = np.zeros((parent.size, 8), np.int64)
     for k in range(parent.size):
@@ -47,7 +47,7 @@ def new_nodes(parent):
 # --- binary heaps over (rank int64, key int32); b offsets a heap inside a larger array ------------------
 
 
-@njit(cache=True)
+@kernel_fn()
 def new_heap(candidates):
     """Arrays for a heap of at most `candidates` valid entries at a time (stale ones are compacted away)."""
     size = 64
@@ -56,7 +56,7 @@ def new_heap(candidates):
     return np.empty(size, np.int64), np.empty(size, np.int32)
 
 
-@njit(cache=True)
+@kernel_fn()
 def heap_push(hp, hk, n, p, k, b=0):
     """Push (p, k) on the heap hp[b:b + n], hk[b:b + n] (room assumed). Returns the new size."""
     i = n
@@ -72,7 +72,7 @@ def heap_push(hp, hk, n, p, k, b=0):
     return n + 1
 
 
-@njit(cache=True)
+@kernel_fn()
 def sift_down(hp, hk, n, p, k, b=0, i=0):
     """Put (p, k) at slot i of the heap hp[b:b + n], hk[b:b + n] and sift it down: replaces the top by default."""
     while True:
@@ -90,7 +90,7 @@ def sift_down(hp, hk, n, p, k, b=0, i=0):
     hk[b + i] = k
 
 
-@njit(cache=True)
+@kernel_fn()
 def heap_compact(hp, hk, n, nodes, b=0):
     """Drop stale and duplicate entries of the heap hp[b:b + n] in place. Returns the new size."""
     m = 0
@@ -108,7 +108,7 @@ def heap_compact(hp, hk, n, nodes, b=0):
     return m
 
 
-@njit(cache=True)
+@kernel_fn()
 def heap_add(hp, hk, n, nodes, p, k):
     """Push (p, k), compacting first when full (a heap sized by `new_heap` for all candidates then always has
     room). Returns the new size."""
@@ -117,7 +117,7 @@ def heap_add(hp, hk, n, nodes, p, k):
     return heap_push(hp, hk, n, p, k)
 
 
-@njit(cache=True)
+@kernel_fn()
 def heap_restore(hp, hk, n, nodes, stash_p, stash_k, ns):
     """Put back the protected leaves hidden during a request (unless they stopped being leaves)."""
     for i in range(ns):
@@ -134,7 +134,7 @@ RADIX_LRU, BELADY, PRIORITY_LRU = 0, 1, 2
 _FAR = np.int64(1) << 62
 
 
-@njit(cache=True)
+@kernel_fn()
 def _rank(mode, nodes, k):
     if mode == BELADY:  # farthest next use (kept in stamp) first, then the larger key
         return _FAR - ((nodes[k, STAMP] << 31) | k)
@@ -143,7 +143,7 @@ def _rank(mode, nodes, k):
     return nodes[k, STAMP]
 
 
-@njit(cache=True)
+@kernel_fn(SIM_OUT + "(i8, i4[::1], i4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i4[::1], i8[::1], i8[::1], i8)")
 def leaf_kernel(
     mode, parent, keys, offsets, max_hit, tenant, n_tenants, capacity, next_use, priority, expire_at, default_prio
 ):
@@ -270,17 +270,17 @@ def run_leaf_kernel(mode, trace, capacity, next_use=None, priority=None, expire_
         raise ValueError("capacity must be > 0 blocks")
     dummy32, dummy64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
     out = leaf_kernel(
-        mode,
-        trace.parent,
-        trace.keys,
-        trace.offsets,
-        trace.max_hit,
-        trace.tenant,
+        int(mode),
+        i4(trace.parent),
+        i4(trace.keys),
+        i8(trace.offsets),
+        i4(trace.max_hit),
+        i4(trace.tenant),
         len(trace.tenant_names),
         int(capacity),
-        dummy32 if next_use is None else next_use,
-        dummy64 if priority is None else priority,
-        dummy64 if expire_at is None else expire_at,
+        dummy32 if next_use is None else i4(next_use),
+        dummy64 if priority is None else i8(priority),
+        dummy64 if expire_at is None else i8(expire_at),
         int(default_prio),
     )
     return SimOutput(*out)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-from numba import njit
 
+from .._compiled import SIM_OUT, i4, i8, kernel_fn
 from . import SimOutput, policy
 from ._reference import PrefixCache
 
@@ -35,7 +35,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _FifoReference(trace, capacity, options).run()
 
 
-@njit(cache=True)
+@kernel_fn(SIM_OUT + "(i4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8)")
 def _fifo(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity):
     n = offsets.size - 1
     # Nothing ever leaves a FIFO except at its head, so a ring of `capacity` slots holds it exactly: once full,
@@ -84,6 +84,12 @@ def kernel(trace, capacity, options=None) -> SimOutput:
     if capacity <= 0:
         raise ValueError("capacity must be > 0 blocks")
     out = _fifo(
-        trace.keys, trace.offsets, trace.max_hit, trace.tenant, trace.n_keys, len(trace.tenant_names), int(capacity)
+        i4(trace.keys),
+        i8(trace.offsets),
+        i4(trace.max_hit),
+        i4(trace.tenant),
+        int(trace.n_keys),
+        len(trace.tenant_names),
+        int(capacity),
     )
     return SimOutput(*out)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-from numba import njit
 
+from .._compiled import SIM_OUT, i4, i8, kernel_fn
 from . import SimOutput, policy
 from ._reference import PrefixCache
 
@@ -59,7 +59,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _LfuReference(trace, capacity, options).run()
 
 
-@njit(cache=True)
+@kernel_fn(SIM_OUT + "(i4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8, i8)")
 def _lfu(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, max_freq):
     n = offsets.size - 1
     prev = np.full(n_keys, -1, np.int32)
@@ -138,13 +138,13 @@ def kernel(trace, capacity, options=None) -> SimOutput:
     # a block's frequency never exceeds the number of references to its key
     max_freq = int(np.bincount(trace.keys).max()) if trace.keys.size else 1
     out = _lfu(
-        trace.keys,
-        trace.offsets,
-        trace.max_hit,
-        trace.tenant,
-        trace.n_keys,
+        i4(trace.keys),
+        i8(trace.offsets),
+        i4(trace.max_hit),
+        i4(trace.tenant),
+        int(trace.n_keys),
         len(trace.tenant_names),
         int(capacity),
-        max_freq,
+        int(max_freq),
     )
     return SimOutput(*out)

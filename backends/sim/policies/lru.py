@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-from numba import njit
 
+from .._compiled import SIM_OUT, i4, i8, kernel_fn
 from .._densify import scratch
 from . import SimOutput, policy
 from ._reference import PrefixCache
@@ -41,7 +41,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
 _NONE = np.uint32(0xFFFFFFFF)
 
 
-@njit(cache=True)
+@kernel_fn(SIM_OUT + "(u4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8, u4[::1], i4[::1])")
 def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, link, owner):
     """`keys` viewed as uint32 and `link` (uint32[2 * n_keys + 2], work buffer): the recency list, prev of key
     k at 2k and next at 2k+1, prev = _NONE when k is not cached. Node S = n_keys is the sentinel of the
@@ -123,10 +123,10 @@ def kernel(trace, capacity, options=None) -> SimOutput:
     owner = scratch("lru.owner", trace.n_keys if n_tenants > 1 else 0, np.int32)
     out = _lru(
         np.ascontiguousarray(trace.keys, dtype=np.int32).view(np.uint32),
-        trace.offsets,
-        trace.max_hit,
-        trace.tenant,
-        trace.n_keys,
+        i8(trace.offsets),
+        i4(trace.max_hit),
+        i4(trace.tenant),
+        int(trace.n_keys),
         n_tenants,
         int(capacity),
         link,

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-from numba import njit
 
+from .._compiled import SIM_OUT, i4, i8, kernel_fn
 from . import SimOutput, policy
 from ._reference import PrefixCache
 
@@ -106,7 +106,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
 SMALL, MAIN, GHOST = 1, 2, 3
 
 
-@njit(cache=True)
+@kernel_fn(SIM_OUT + "(i4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8, i8)")
 def _s3fifo(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, main_cap):
     n = offsets.size - 1
     # S and M only ever lose blocks at their head (a hit just bumps freq), and |S| + |M| <= capacity, so each is
@@ -221,13 +221,13 @@ def kernel(trace, capacity, options=None) -> SimOutput:
         raise ValueError("capacity must be > 0 blocks")
     _, main_cap = _sizes(int(capacity), options)
     out = _s3fifo(
-        trace.keys,
-        trace.offsets,
-        trace.max_hit,
-        trace.tenant,
-        trace.n_keys,
+        i4(trace.keys),
+        i8(trace.offsets),
+        i4(trace.max_hit),
+        i4(trace.tenant),
+        int(trace.n_keys),
         len(trace.tenant_names),
         int(capacity),
-        main_cap,
+        int(main_cap),
     )
     return SimOutput(*out)

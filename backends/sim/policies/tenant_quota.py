@@ -15,8 +15,8 @@ the capacity only.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from .._compiled import SIM_OUT, i4, i8, kernel_fn
 from . import SimOutput, policy
 from ._trie import (
     CODE,
@@ -122,7 +122,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
 # room for cap[t] entries; a full segment that compaction cannot free doubles, and the arena is repacked.
 
 
-@njit(cache=True)
+@kernel_fn()
 def _top(hp, hk, start, cnt, t, nodes, r, stash_p, stash_k, ns):
     """Tenant t's LRU unprotected leaf (left on its heap) or -1; protected leaves are hidden in the stash."""
     s, n = start[t], cnt[t]
@@ -143,7 +143,7 @@ def _top(hp, hk, start, cnt, t, nodes, r, stash_p, stash_k, ns):
     return v, ns
 
 
-@njit(cache=True)
+@kernel_fn()
 def _push(hp, hk, start, cap, cnt, nodes, p, k):
     """Push (p, k) on the heap of k's owner. Returns the arena, which is new when a segment had to grow."""
     t = nodes[k, OWNER]
@@ -170,7 +170,7 @@ def _push(hp, hk, start, cap, cnt, nodes, p, k):
     return hp, hk
 
 
-@njit(cache=True)
+@kernel_fn(SIM_OUT + "(i4[::1], i4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8[::1])")
 def _tenant_quota(parent, keys, offsets, max_hit, tenant, n_tenants, capacity, quota):
     n = offsets.size - 1
     nodes = new_nodes(parent)
@@ -274,13 +274,13 @@ def kernel(trace, capacity, options=None) -> SimOutput:
     if capacity <= 0:
         raise ValueError("capacity must be > 0 blocks")
     out = _tenant_quota(
-        trace.parent,
-        trace.keys,
-        trace.offsets,
-        trace.max_hit,
-        trace.tenant,
+        i4(trace.parent),
+        i4(trace.keys),
+        i8(trace.offsets),
+        i4(trace.max_hit),
+        i4(trace.tenant),
         len(trace.tenant_names),
         int(capacity),
-        quotas(trace, capacity, options),
+        i8(quotas(trace, capacity, options)),
     )
     return SimOutput(*out)

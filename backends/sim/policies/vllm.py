@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-from numba import njit
 
+from .._compiled import SIM_OUT, i4, i8, kernel_fn
 from . import SimOutput, policy
 from ._reference import PrefixCache
 
@@ -83,7 +83,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _VllmReference(trace, capacity, options).run()
 
 
-@njit(cache=True)
+@kernel_fn(SIM_OUT + "(i4[::1], i8[::1], i4[::1], i8[::1], i8, i4[::1], i8, i8, i8, i8)")
 def _vllm(keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_tenants, capacity, longest):
     n = offsets.size - 1
     # The free queue is a circular doubly linked list over dense keys: prev of key k at link[2k], next at
@@ -158,13 +158,13 @@ def kernel(trace, capacity, options=None) -> SimOutput:
         raise ValueError("capacity must be > 0 blocks")
     longest = int(trace.n_blocks.max()) if trace.n_requests else 0
     out = _vllm(
-        trace.keys,
-        trace.offsets,
-        trace.max_hit,
-        trace.input_tokens,
-        trace.block_size,
-        trace.tenant,
-        trace.n_keys,
+        i4(trace.keys),
+        i8(trace.offsets),
+        i4(trace.max_hit),
+        i8(trace.input_tokens),
+        int(trace.block_size),
+        i4(trace.tenant),
+        int(trace.n_keys),
         len(trace.tenant_names),
         int(capacity),
         longest,
