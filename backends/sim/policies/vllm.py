@@ -35,6 +35,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._compiled import SIM_OUT, i4, i8, kernel_fn
+from .._densify import scratch
 from . import SimOutput, policy
 from ._reference import PrefixCache
 
@@ -83,71 +84,93 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _VllmReference(trace, capacity, options).run()
 
 
-@kernel_fn(SIM_OUT + "(i4[::1], i8[::1], i4[::1], i8[::1], i8, i4[::1], i8, i8, i8, i8)")
-def _vllm(keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_tenants, capacity, longest):
+_NONE = np.uint32(0xFFFFFFFF)  # prev of a key that is not cached
+_HELD = np.uint32(0xFFFFFFFE)  # prev of a key held by the running request
+
+
+@kernel_fn(SIM_OUT + "(u4[::1], i8[::1], i4[::1], i8[::1], i8, i4[::1], i8, i8, i8, u4[::1], i4[::1], u4[::1])")
+def _vllm(keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_tenants, capacity, link, owner, taken):
+    """`keys` viewed as uint32; `link` (uint32[2 * n_keys + 2], work buffer) is the free queue, a circular doubly
+    linked list over dense keys: prev of key k at 2k, next at 2k+1; node S = n_keys is the sentinel (its next
+    is the head, the block evicted next; its prev the tail, the most recently released). prev also says a
+    key's state: _NONE not cached, _HELD held by the running request, otherwise cached and free. Indices are
+    unsigned so that numba emits no negative-index fix-ups. `owner` (int32[n_keys], work buffer) is used only
+    with several tenants; `taken` (uint32[longest request], work buffer) lists the held blocks of the running
+    request in the order they were taken."""
     n = offsets.size - 1
-    # The free queue is a circular doubly linked list over dense keys: prev of key k at link[2k], next at
-    # link[2k+1]; node S = n_keys is the sentinel (its next is the head, the block evicted next; its prev the
-    # tail, the most recently released). prev also says a key's state: -1 not cached, -2 held by the running
-    # request, >= 0 cached and free.
-    S = n_keys
-    link = np.empty(2 * n_keys + 2, np.int32)
-    link[: 2 * n_keys] = -1
-    link[2 * S] = S
-    link[2 * S + 1] = S
-    owner = np.zeros(n_keys, np.int32)
-    taken = np.empty(max(longest, 1), np.int32)  # held blocks of the running request, in the order taken
+    one, two = np.uint64(1), np.uint64(2)
+    S = np.uint64(n_keys)
+    s32 = np.uint32(n_keys)
+    link[: 2 * n_keys] = _NONE
+    link[two * S] = s32
+    link[two * S + one] = s32
+    multi = n_tenants > 1
     size = 0
     hit_blocks = np.zeros(n, np.int32)
     evictions = np.zeros(n, np.int32)
     matrix = np.zeros((n_tenants, n_tenants), np.int64)
     filled_at = -1
+    total_evictions = 0
     for r in range(n):
         lo, hi = offsets[r], offsets[r + 1]
-        h = 0
-        while h < max_hit[r] and link[2 * keys[lo + h]] != -1:
-            h += 1
-        hit_blocks[r] = h
+        prefix_end = lo + max_hit[r]
         full_end = lo + min(hi - lo, input_tokens[r] // block_size)
         t = tenant[r]
+        # The lookup is folded into the update: while every earlier block hit, nothing was evicted, so the
+        # cache holds exactly what the lookup saw (a held key, repeated in the prompt, is cached too).
+        h = lo
+        ev = 0
         n_taken = 0
         for j in range(lo, full_end):
-            k = keys[j]
-            p = link[2 * k]
-            if p == -2:
-                continue  # already held (a key repeated in the prompt)
-            if p >= 0:  # cached and free: take it off the free queue
-                q = link[2 * k + 1]
-                link[2 * p + 1] = q
-                link[2 * q] = p
+            k = np.uint64(keys[j])
+            p = link[two * k]
+            if p != _NONE:
+                if h == j and j < prefix_end:
+                    h += 1
+                if p == _HELD:
+                    continue  # already held (a key repeated in the prompt)
+                # cached and free: take it off the free queue
+                q = link[two * k + one]
+                link[two * np.uint64(p) + one] = q
+                link[two * np.uint64(q)] = p
             else:
                 if size >= capacity:
-                    v = link[2 * S + 1]
+                    v = np.uint64(link[two * S + one])
                     if v == S:
                         break  # every slot is held by this request: cache no more of it
-                    q = link[2 * v + 1]
-                    link[2 * S + 1] = q
-                    link[2 * q] = S
-                    link[2 * v] = -1
-                    evictions[r] += 1
-                    matrix[t, owner[v]] += 1
+                    q = link[two * v + one]
+                    link[two * S + one] = q
+                    link[two * np.uint64(q)] = s32
+                    link[two * v] = _NONE
+                    ev += 1
+                    if multi:
+                        matrix[t, owner[v]] += 1
                 else:
                     size += 1
                     if size >= capacity and filled_at < 0:
                         filled_at = r
-                owner[k] = t
-            link[2 * k] = -2
-            taken[n_taken] = k
+                if multi:
+                    owner[k] = t
+            link[two * k] = _HELD
+            taken[n_taken] = np.uint32(k)
             n_taken += 1
+        if h == full_end:  # no miss among the full blocks: nothing was evicted, the lookup may go on
+            while h < prefix_end and link[two * np.uint64(keys[h])] != _NONE:
+                h += 1
+        hit_blocks[r] = h - lo
+        evictions[r] = ev
+        total_evictions += ev
         # release tail-first: the last block taken is appended first, block 0 last (most recently released)
-        tail = link[2 * S]
+        tail = np.uint64(link[two * S])
         for i in range(n_taken - 1, -1, -1):
-            k = taken[i]
-            link[2 * k] = tail
-            link[2 * tail + 1] = k
+            k = np.uint64(taken[i])
+            link[two * k] = np.uint32(tail)
+            link[two * tail + one] = np.uint32(k)
             tail = k
-        link[2 * tail + 1] = S
-        link[2 * S] = tail
+        link[two * tail + one] = s32
+        link[two * S] = np.uint32(tail)
+    if not multi and n_tenants == 1:
+        matrix[0, 0] = total_evictions
     return hit_blocks, evictions, matrix, filled_at
 
 
@@ -156,17 +179,23 @@ def kernel(trace, capacity, options=None) -> SimOutput:
     """vLLM block pool: blocks held while a request runs, released tail-first, least recently released evicted."""
     if capacity <= 0:
         raise ValueError("capacity must be > 0 blocks")
+    n_tenants = len(trace.tenant_names)
     longest = int(trace.n_blocks.max()) if trace.n_requests else 0
+    link = scratch("vllm.link", 2 * trace.n_keys + 2, np.uint32)
+    owner = scratch("vllm.owner", trace.n_keys if n_tenants > 1 else 0, np.int32)
+    taken = scratch("vllm.taken", longest, np.uint32)
     out = _vllm(
-        i4(trace.keys),
+        np.ascontiguousarray(trace.keys, dtype=np.int32).view(np.uint32),
         i8(trace.offsets),
         i4(trace.max_hit),
         i8(trace.input_tokens),
         int(trace.block_size),
         i4(trace.tenant),
         int(trace.n_keys),
-        len(trace.tenant_names),
+        n_tenants,
         int(capacity),
-        longest,
+        link,
+        owner,
+        taken,
     )
     return SimOutput(*out)
