@@ -186,7 +186,6 @@ class SimBackend:
                 prepared[cap] = prepare(trace, bs, use_salt=self.salt, share_lora=self.share_lora_kv, vllm_cap=cap)
             return prepared[cap]
 
-        self.n_points = len(pols) * len(caps) + (self.curve and sum(p.stack for p in pols))
         for pol in pols:
             for cap in caps:
                 yield self._point(pol, prepared_for(pol.name), cap.blocks, cap.text)
