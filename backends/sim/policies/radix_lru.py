@@ -16,7 +16,7 @@ from . import SimOutput, policy
 from ._trie import RADIX_LRU, TrieReference, run_leaf_kernel
 
 
-class _RadixLruReference(TrieReference):
+class RadixLruReference(TrieReference):
     def __init__(self, *args):
         super().__init__(*args)
         self.clock = 0
@@ -38,7 +38,7 @@ class _RadixLruReference(TrieReference):
 
 
 def reference(trace, capacity, options=None) -> SimOutput:
-    return _RadixLruReference(trace, capacity, options).run()
+    return RadixLruReference(trace, capacity, options).run()
 
 
 @policy("radix-lru", reference=reference)

@@ -26,12 +26,12 @@ from ._trie import (
     PARENT,
     PROT,
     STAMP,
-    TrieReference,
     heap_compact,
     heap_push,
     new_nodes,
     sift_down,
 )
+from .radix_lru import RadixLruReference
 
 OPTIONS = {
     "quota": "tenant name -> share of the capacity (float 0..1) or blocks (int); '*' for tenants not "
@@ -64,30 +64,16 @@ def quotas(trace, capacity: int, options) -> np.ndarray:
     return out
 
 
-class _TenantQuotaReference(TrieReference):
+class _TenantQuotaReference(RadixLruReference):
+    """radix-lru's recency, with leaves grouped by the tenant that owns them."""
+
     def __init__(self, *args):
         super().__init__(*args)
         self.quota = quotas(self.trace, self.capacity, self.options).tolist()
         self.used = [0] * len(self.quota)
-        self.clock = 0
-        self.stamp: dict[int, int] = {}
-
-    def rank(self, key):
-        return self.stamp[key]
 
     def group(self, key):
         return self.owner[key]
-
-    def _use(self, key):
-        self.clock += 1
-        self.stamp[key] = self.clock
-
-    def touch(self, key, pos):
-        self._use(key)
-        self.refresh(key)
-
-    def on_insert(self, key, pos):
-        self._use(key)
 
     def insert(self, key):
         super().insert(key)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[3]
 MOONCAKE = REPO / "traces" / "mooncake" / "conversation_trace.parquet"
 SAMPLES = sorted((REPO / "traces" / "samples").glob("*.parquet"))
 REFERENCE_CLASSES = {
-    "radix-lru": radix_lru._RadixLruReference,
+    "radix-lru": radix_lru.RadixLruReference,
     "belady": belady._BeladyReference,
     "priority-lru": priority_lru._PriorityLruReference,
     "tenant-quota": tenant_quota._TenantQuotaReference,
