@@ -12,6 +12,7 @@ capped at `trace.max_hit[i]`), then the cache update.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,6 +48,18 @@ class Policy:
     stack: bool = False  # a stack algorithm: the one-pass curve applies
 
 
+def _checked(fn: Callable[..., SimOutput]) -> Callable[..., SimOutput]:
+    """The one place kernels check the capacity (references check it in their shared PrefixCache)."""
+
+    @functools.wraps(fn)
+    def run(trace, capacity, options=None) -> SimOutput:
+        if capacity <= 0:
+            raise ValueError("capacity must be > 0 blocks")
+        return fn(trace, capacity, options)
+
+    return run
+
+
 _REGISTRY: Registry[Policy] = Registry(__name__, "policy")
 
 
@@ -57,8 +70,9 @@ def policy(
 
     def wrap(kernel):
         summary = (kernel.__doc__ or name).strip().splitlines()[0]
-        _REGISTRY.add(name, Policy(name, summary, kernel, reference, needs, options or {}, stack))
-        return kernel
+        checked = _checked(kernel)
+        _REGISTRY.add(name, Policy(name, summary, checked, reference, needs, options or {}, stack))
+        return checked
 
     return wrap
 

@@ -266,8 +266,6 @@ def leaf_kernel(
 
 
 def run_leaf_kernel(mode, trace, capacity, next_use=None, priority=None, expire_at=None, default_prio=0):
-    if capacity <= 0:
-        raise ValueError("capacity must be > 0 blocks")
     dummy32, dummy64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
     out = leaf_kernel(
         int(mode),

@@ -81,8 +81,6 @@ def _fifo(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity):
 @policy("fifo", reference=reference)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Block FIFO: missing blocks are inserted in order, the oldest insertion is evicted; hits do not refresh."""
-    if capacity <= 0:
-        raise ValueError("capacity must be > 0 blocks")
     out = _fifo(
         i4(trace.keys),
         i8(trace.offsets),

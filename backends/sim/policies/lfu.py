@@ -133,8 +133,6 @@ def _lfu(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, max_freq):
 @policy("lfu", reference=reference)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Least-frequently-used blocks (LRU among equal frequency); every block of a request is referenced."""
-    if capacity <= 0:
-        raise ValueError("capacity must be > 0 blocks")
     # a block's frequency never exceeds the number of references to its key
     max_freq = int(np.bincount(trace.keys).max()) if trace.keys.size else 1
     out = _lfu(

@@ -116,8 +116,6 @@ def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, link, owne
 @policy("lru", reference=reference, stack=True)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Classic block LRU: every block of a request is referenced in order."""
-    if capacity <= 0:
-        raise ValueError("capacity must be > 0 blocks")
     n_tenants = len(trace.tenant_names)
     link = scratch("lru.link", 2 * trace.n_keys + 2, np.uint32)
     owner = scratch("lru.owner", trace.n_keys if n_tenants > 1 else 0, np.int32)

@@ -217,8 +217,6 @@ def _s3fifo(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, main_ca
 )
 def kernel(trace, capacity, options=None) -> SimOutput:
     """S3-FIFO (SOSP'23): small probation FIFO, main FIFO with 2-bit frequency, ghost of evicted keys."""
-    if capacity <= 0:
-        raise ValueError("capacity must be > 0 blocks")
     _, main_cap = _sizes(int(capacity), options)
     out = _s3fifo(
         i4(trace.keys),

@@ -257,8 +257,6 @@ def _tenant_quota(parent, keys, offsets, max_hit, tenant, n_tenants, capacity, q
 @policy("tenant-quota", reference=reference, needs=("tenant",), options=OPTIONS)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Per-tenant caps: a tenant at its quota evicts its own LRU leaf, else tenants at quota give way first."""
-    if capacity <= 0:
-        raise ValueError("capacity must be > 0 blocks")
     out = _tenant_quota(
         i4(trace.parent),
         i4(trace.keys),

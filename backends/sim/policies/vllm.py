@@ -177,8 +177,6 @@ def _vllm(keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_te
 @policy("vllm", reference=reference, stack=True)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """vLLM block pool: blocks held while a request runs, released tail-first, least recently released evicted."""
-    if capacity <= 0:
-        raise ValueError("capacity must be > 0 blocks")
     n_tenants = len(trace.tenant_names)
     longest = int(trace.n_blocks.max()) if trace.n_requests else 0
     link = scratch("vllm.link", 2 * trace.n_keys + 2, np.uint32)
