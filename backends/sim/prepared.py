@@ -48,6 +48,21 @@ class PreparedTrace:
     def n_blocks(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def rows(self, start: int, stop: int, keys: np.ndarray, offsets: np.ndarray) -> PreparedTrace:
+        """Requests start..stop-1 with the given block keys (a chunk of a streamed trace)."""
+        return PreparedTrace(
+            block_size=self.block_size,
+            offsets=offsets,
+            keys=keys,
+            parent=self.parent,
+            input_tokens=self.input_tokens[start:stop],
+            max_hit=self.max_hit[start:stop],
+            tenant=self.tenant[start:stop],
+            tenant_names=self.tenant_names,
+            priority=self.priority[start:stop],
+            arrival_s=None if self.arrival_s is None else self.arrival_s[start:stop],
+        )
+
     def next_use(self) -> np.ndarray:
         """int32[m]: index of the next request that references the same key after this reference's request
         (n_requests + 1 when never), the future knowledge Belady needs. Computed once, on demand."""
@@ -79,9 +94,11 @@ def fold_isolation(table: pa.Table, use_salt: bool = True, share_lora: bool = Fa
         return hashes
     extra_key = np.zeros(table.num_rows, dtype=np.uint64)
     for label, col in extras:
-        values = col.to_pylist()
-        digests = {v: name_key(label, v) for v in set(values) if v is not None}
-        extra_key = mix(extra_key, np.array([digests.get(v, 0) for v in values], dtype=np.uint64))
+        encoded = pc.dictionary_encode(col).combine_chunks()
+        names = np.array([name_key(label, v) for v in encoded.dictionary.to_pylist()] + [0], dtype=np.uint64)
+        digest = names[encoded.indices.fill_null(len(names) - 1).to_numpy(zero_copy_only=False)]
+        # a null mixes nothing in, so a request's key does not depend on which other columns the trace has
+        extra_key = np.where(digest != 0, mix(extra_key, digest), extra_key)
     lengths = pc.list_value_length(hashes).to_numpy(zero_copy_only=False)
     flat = np.asarray(hashes.flatten())
     per_ref = np.repeat(extra_key, lengths)
@@ -96,8 +113,17 @@ def prepare(
     hashes = fold_isolation(table, use_salt=use_salt, share_lora=share_lora)
     offsets = (np.asarray(hashes.offsets, dtype=np.int64) - hashes.offsets[0].as_py()).astype(np.int64)
     keys, parent = densify(np.asarray(hashes.flatten()), offsets)
+    prepared = prepare_requests(table, block_size, np.diff(offsets), vllm_cap=vllm_cap)
+    prepared.keys, prepared.parent = keys, parent
+    return prepared
+
+
+def prepare_requests(table: pa.Table, block_size: int, n_blocks: np.ndarray, *, vllm_cap: bool) -> PreparedTrace:
+    """The per-request arrays of a trace (no keys yet): what a streamed replay keeps for the whole trace."""
+    n_blocks = np.asarray(n_blocks, dtype=np.int64)
+    offsets = np.zeros(n_blocks.size + 1, np.int64)
+    np.cumsum(n_blocks, out=offsets[1:])
     input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
-    n_blocks = np.diff(offsets)
     # vLLM recomputes at least the last prompt token, so a hit never covers the whole prompt.
     max_hit = np.minimum(n_blocks, (input_tokens - 1) // block_size) if vllm_cap else n_blocks
     tenant_col = _column_or_none(table, "tenant")
@@ -116,8 +142,8 @@ def prepare(
     return PreparedTrace(
         block_size=block_size,
         offsets=offsets,
-        keys=keys,
-        parent=parent,
+        keys=np.empty(0, np.int32),
+        parent=np.empty(0, np.int32),
         input_tokens=input_tokens,
         arrival_s=table.column("arrival_s").to_numpy().astype(np.float64),
         max_hit=max_hit.astype(np.int32),

@@ -37,6 +37,41 @@ class SimOutput:
         return cls(np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros((t, t), np.int64), -1)
 
 
+# Layout of the int64 `state` array that resumable kernels carry from one chunk of a trace to the next.
+STARTED, SIZE, TAIL, FILLED_AT, FIRST_REQUEST = range(5)
+STATE_FIELDS = 5
+
+
+class Carry:
+    """A policy's cache carried across chunks of one trace, for traces streamed in bounded memory. Keys are
+    ids in [0, n_ids): the streaming driver gives an id to each block it meets and, between chunks, takes
+    back the ids that `cached()` reports False (so only policies whose state is nil for uncached blocks can
+    carry). `reuse_buffers` takes the work arrays from the per-thread scratch pool (one run at a time)."""
+
+    def __init__(self, n_ids: int, tenant_names: list[str], capacity: int, longest: int, reuse_buffers=False):
+        self.n_ids, self.n_tenants, self.capacity = n_ids, len(tenant_names), capacity
+        self.longest = longest  # most blocks in one request
+        self.state = np.zeros(STATE_FIELDS, np.int64)
+        self._reuse = reuse_buffers
+
+    def buffer(self, name: str, size: int, dtype) -> np.ndarray:
+        from .._densify import scratch
+
+        return scratch(name, size, dtype) if self._reuse else np.empty(max(size, 1), dtype)[:size]
+
+    def feed(self, chunk: PreparedTrace) -> SimOutput:  # the next requests, in order
+        raise NotImplementedError
+
+    def cached(self) -> np.ndarray:  # bool[n_ids]
+        raise NotImplementedError
+
+    @classmethod
+    def run(cls, trace: PreparedTrace, capacity: int, options=None) -> SimOutput:
+        """The whole trace in one chunk, with dense keys: the in-memory kernel."""
+        longest = int(trace.n_blocks.max()) if trace.n_requests else 0
+        return cls(trace.n_keys, trace.tenant_names, capacity, longest, reuse_buffers=True).feed(trace)
+
+
 @dataclass(frozen=True)
 class Policy:
     name: str
@@ -46,6 +81,7 @@ class Policy:
     needs: tuple[str, ...] = ()  # trace columns the policy cannot work without (e.g. "tenant")
     options: dict[str, str] = field(default_factory=dict)  # option name -> help (with units)
     stack: bool = False  # a stack algorithm: the one-pass curve applies
+    carry: type[Carry] | None = None  # resumable form, for traces streamed in bounded memory
 
 
 def _checked(fn: Callable[..., SimOutput]) -> Callable[..., SimOutput]:
@@ -64,14 +100,20 @@ _REGISTRY: Registry[Policy] = Registry(__name__, "policy")
 
 
 def policy(
-    name: str, *, reference: Callable, needs: tuple[str, ...] = (), options: dict | None = None, stack: bool = False
+    name: str,
+    *,
+    reference: Callable,
+    needs: tuple[str, ...] = (),
+    options: dict | None = None,
+    stack: bool = False,
+    carry: type[Carry] | None = None,
 ):
     """Register `kernel` (the decorated function) and its pure-Python `reference` under `name`."""
 
     def wrap(kernel):
         summary = (kernel.__doc__ or name).strip().splitlines()[0]
         checked = _checked(kernel)
-        _REGISTRY.add(name, Policy(name, summary, checked, reference, needs, options or {}, stack))
+        _REGISTRY.add(name, Policy(name, summary, checked, reference, needs, options or {}, stack, carry))
         return checked
 
     return wrap

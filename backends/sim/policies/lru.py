@@ -9,8 +9,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._compiled import SIM_OUT, i4, i8, kernel_fn
-from .._densify import scratch
-from . import SimOutput, policy
+from . import FILLED_AT, FIRST_REQUEST, SIZE, STARTED, TAIL, Carry, SimOutput, policy
 from ._reference import PrefixCache
 
 
@@ -41,27 +40,31 @@ def reference(trace, capacity, options=None) -> SimOutput:
 _NONE = np.uint32(0xFFFFFFFF)
 
 
-@kernel_fn(SIM_OUT + "(u4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8, u4[::1], i4[::1])")
-def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, link, owner):
+@kernel_fn(SIM_OUT + "(u4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8, u4[::1], i4[::1], i8[:])")
+def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, link, owner, state):
     """`keys` viewed as uint32 and `link` (uint32[2 * n_keys + 2], work buffer): the recency list, prev of key
     k at 2k and next at 2k+1, prev = _NONE when k is not cached. Node S = n_keys is the sentinel of the
     circular list (its next is the least recent key, the head), so linking and unlinking never branch on the
     ends; the most recent key, the tail, is kept in a local. Indices are unsigned so that numba emits no
-    negative-index fix-ups. `owner` (int32[n_keys], work buffer) is used only with several tenants."""
+    negative-index fix-ups. `owner` (int32[n_keys], work buffer) is used only with several tenants.
+    `state` (STATE_FIELDS) carries the cache across calls, so that a trace can be fed in chunks."""
     n = offsets.size - 1
     one, two = np.uint64(1), np.uint64(2)
     S = np.uint64(n_keys)
     s32 = np.uint32(n_keys)
-    link[: 2 * n_keys] = _NONE
-    link[two * S] = s32
-    link[two * S + one] = s32
-    tail = S
+    if state[STARTED] == 0:
+        link[: 2 * n_keys] = _NONE
+        link[two * S] = s32
+        link[two * S + one] = s32
+        state[STARTED], state[TAIL], state[FILLED_AT] = 1, n_keys, -1
+    tail = np.uint64(state[TAIL])
+    size = state[SIZE]
+    filled_at = state[FILLED_AT]
+    base = state[FIRST_REQUEST]
     multi = n_tenants > 1
-    size = 0
     hit_blocks = np.zeros(n, np.int32)
     evictions = np.zeros(n, np.int32)
     matrix = np.zeros((n_tenants, n_tenants), np.int64)
-    filled_at = -1
     total_evictions = 0
     for r in range(n):
         lo, hi = offsets[r], offsets[r + 1]
@@ -97,7 +100,7 @@ def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, link, owne
                 else:
                     size += 1
                     if size >= capacity and filled_at < 0:
-                        filled_at = r
+                        filled_at = base + r
                 if multi:
                     owner[k] = t
             # link at the tail (most recent)
@@ -110,24 +113,36 @@ def _lru(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, link, owne
         total_evictions += ev
     if not multi and n_tenants == 1:
         matrix[0, 0] = total_evictions
+    state[TAIL], state[SIZE], state[FILLED_AT], state[FIRST_REQUEST] = tail, size, filled_at, base + n
     return hit_blocks, evictions, matrix, filled_at
 
 
-@policy("lru", reference=reference, stack=True)
+class LruCache(Carry):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.link = self.buffer("lru.link", 2 * self.n_ids + 2, np.uint32)
+        self.owner = self.buffer("lru.owner", self.n_ids if self.n_tenants > 1 else 0, np.int32)
+
+    def feed(self, chunk) -> SimOutput:
+        out = _lru(
+            np.ascontiguousarray(chunk.keys, dtype=np.int32).view(np.uint32),
+            i8(chunk.offsets),
+            i4(chunk.max_hit),
+            i4(chunk.tenant),
+            self.n_ids,
+            self.n_tenants,
+            int(self.capacity),
+            self.link,
+            self.owner,
+            self.state,
+        )
+        return SimOutput(*out)
+
+    def cached(self) -> np.ndarray:
+        return self.link[0 : 2 * self.n_ids : 2] != _NONE
+
+
+@policy("lru", reference=reference, stack=True, carry=LruCache)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Classic block LRU: every block of a request is referenced in order."""
-    n_tenants = len(trace.tenant_names)
-    link = scratch("lru.link", 2 * trace.n_keys + 2, np.uint32)
-    owner = scratch("lru.owner", trace.n_keys if n_tenants > 1 else 0, np.int32)
-    out = _lru(
-        np.ascontiguousarray(trace.keys, dtype=np.int32).view(np.uint32),
-        i8(trace.offsets),
-        i4(trace.max_hit),
-        i4(trace.tenant),
-        int(trace.n_keys),
-        n_tenants,
-        int(capacity),
-        link,
-        owner,
-    )
-    return SimOutput(*out)
+    return LruCache.run(trace, capacity)

@@ -35,8 +35,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._compiled import SIM_OUT, i4, i8, kernel_fn
-from .._densify import scratch
-from . import SimOutput, policy
+from . import FILLED_AT, FIRST_REQUEST, SIZE, STARTED, Carry, SimOutput, policy
 from ._reference import PrefixCache
 
 
@@ -88,28 +87,34 @@ _NONE = np.uint32(0xFFFFFFFF)  # prev of a key that is not cached
 _HELD = np.uint32(0xFFFFFFFE)  # prev of a key held by the running request
 
 
-@kernel_fn(SIM_OUT + "(u4[::1], i8[::1], i4[::1], i8[::1], i8, i4[::1], i8, i8, i8, u4[::1], i4[::1], u4[::1])")
-def _vllm(keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_tenants, capacity, link, owner, taken):
+@kernel_fn(SIM_OUT + "(u4[::1], i8[::1], i4[::1], i8[::1], i8, i4[::1], i8, i8, i8, u4[::1], i4[::1], u4[::1], i8[:])")
+def _vllm(
+    keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_tenants, capacity, link, owner, taken, state
+):
     """`keys` viewed as uint32; `link` (uint32[2 * n_keys + 2], work buffer) is the free queue, a circular doubly
     linked list over dense keys: prev of key k at 2k, next at 2k+1; node S = n_keys is the sentinel (its next
     is the head, the block evicted next; its prev the tail, the most recently released). prev also says a
     key's state: _NONE not cached, _HELD held by the running request, otherwise cached and free. Indices are
     unsigned so that numba emits no negative-index fix-ups. `owner` (int32[n_keys], work buffer) is used only
     with several tenants; `taken` (uint32[longest request], work buffer) lists the held blocks of the running
-    request in the order they were taken."""
+    request in the order they were taken. `state` (STATE_FIELDS) carries the cache across calls, so that a
+    trace can be fed in chunks."""
     n = offsets.size - 1
     one, two = np.uint64(1), np.uint64(2)
     S = np.uint64(n_keys)
     s32 = np.uint32(n_keys)
-    link[: 2 * n_keys] = _NONE
-    link[two * S] = s32
-    link[two * S + one] = s32
+    if state[STARTED] == 0:
+        link[: 2 * n_keys] = _NONE
+        link[two * S] = s32
+        link[two * S + one] = s32
+        state[STARTED], state[FILLED_AT] = 1, -1
+    size = state[SIZE]
+    filled_at = state[FILLED_AT]
+    base = state[FIRST_REQUEST]
     multi = n_tenants > 1
-    size = 0
     hit_blocks = np.zeros(n, np.int32)
     evictions = np.zeros(n, np.int32)
     matrix = np.zeros((n_tenants, n_tenants), np.int64)
-    filled_at = -1
     total_evictions = 0
     for r in range(n):
         lo, hi = offsets[r], offsets[r + 1]
@@ -148,7 +153,7 @@ def _vllm(keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_te
                 else:
                     size += 1
                     if size >= capacity and filled_at < 0:
-                        filled_at = r
+                        filled_at = base + r
                 if multi:
                     owner[k] = t
             link[two * k] = _HELD
@@ -171,29 +176,40 @@ def _vllm(keys, offsets, max_hit, input_tokens, block_size, tenant, n_keys, n_te
         link[two * S] = np.uint32(tail)
     if not multi and n_tenants == 1:
         matrix[0, 0] = total_evictions
+    state[SIZE], state[FILLED_AT], state[FIRST_REQUEST] = size, filled_at, base + n
     return hit_blocks, evictions, matrix, filled_at
 
 
-@policy("vllm", reference=reference, stack=True)
+class VllmBlockPool(Carry):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.link = self.buffer("vllm.link", 2 * self.n_ids + 2, np.uint32)
+        self.owner = self.buffer("vllm.owner", self.n_ids if self.n_tenants > 1 else 0, np.int32)
+        self.taken = self.buffer("vllm.taken", self.longest, np.uint32)
+
+    def feed(self, chunk) -> SimOutput:
+        out = _vllm(
+            np.ascontiguousarray(chunk.keys, dtype=np.int32).view(np.uint32),
+            i8(chunk.offsets),
+            i4(chunk.max_hit),
+            i8(chunk.input_tokens),
+            int(chunk.block_size),
+            i4(chunk.tenant),
+            self.n_ids,
+            self.n_tenants,
+            int(self.capacity),
+            self.link,
+            self.owner,
+            self.taken,
+            self.state,
+        )
+        return SimOutput(*out)
+
+    def cached(self) -> np.ndarray:
+        return self.link[0 : 2 * self.n_ids : 2] != _NONE
+
+
+@policy("vllm", reference=reference, stack=True, carry=VllmBlockPool)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """vLLM block pool: blocks held while a request runs, released tail-first, least recently released evicted."""
-    n_tenants = len(trace.tenant_names)
-    longest = int(trace.n_blocks.max()) if trace.n_requests else 0
-    link = scratch("vllm.link", 2 * trace.n_keys + 2, np.uint32)
-    owner = scratch("vllm.owner", trace.n_keys if n_tenants > 1 else 0, np.int32)
-    taken = scratch("vllm.taken", longest, np.uint32)
-    out = _vllm(
-        np.ascontiguousarray(trace.keys, dtype=np.int32).view(np.uint32),
-        i8(trace.offsets),
-        i4(trace.max_hit),
-        i8(trace.input_tokens),
-        int(trace.block_size),
-        i4(trace.tenant),
-        int(trace.n_keys),
-        n_tenants,
-        int(capacity),
-        link,
-        owner,
-        taken,
-    )
-    return SimOutput(*out)
+    return VllmBlockPool.run(trace, capacity)
