@@ -25,24 +25,34 @@ def max_min_ratio(values) -> float | None:
     return float(x.max() / x.min())
 
 
-def _groups(keys: list, input_tokens: np.ndarray, hit_tokens: np.ndarray, steady_from: int) -> list[dict]:
-    labels = np.array(["(none)" if k is None else k for k in keys], dtype=object)
-    out = []
-    steady = np.arange(labels.size) >= steady_from
-    for name in sorted(set(labels.tolist())):
-        sel = labels == name
-        inp, hit = input_tokens[sel], hit_tokens[sel]
-        s_inp, s_hit = input_tokens[sel & steady], hit_tokens[sel & steady]
-        out.append(
-            {
-                "name": name,
-                "requests": int(sel.sum()),
-                "input_tokens": int(inp.sum()),
-                "hit_tokens": int(hit.sum()),
-                "hit_rate": float(hit.sum() / inp.sum()) if inp.sum() else 0.0,
-                "hit_rate_steady": float(s_hit.sum() / s_inp.sum()) if s_inp.sum() else None,
-            }
-        )
+def _groups(labels: pa.ChunkedArray, input_tokens: np.ndarray, hit_tokens: np.ndarray, steady_from: int) -> list[dict]:
+    """Hit rate per label (tenant, workload), all requests and steady state, largest input share first."""
+    import polars as pl  # loaded on use: the CLI starts faster without it
+
+    if pa.types.is_dictionary(labels.type):
+        labels = labels.cast(pa.string())
+    steady = np.arange(input_tokens.size) >= steady_from
+    frame = pl.DataFrame(
+        {
+            "name": pl.Series(labels.fill_null("(none)"), dtype=pl.Utf8),
+            "inp": input_tokens,
+            "hit": hit_tokens,
+            "s_inp": np.where(steady, input_tokens, 0),
+            "s_hit": np.where(steady, hit_tokens, 0),
+        }
+    )
+    grouped = frame.group_by("name").agg(pl.len().alias("requests"), pl.col("inp", "hit", "s_inp", "s_hit").sum())
+    out = [
+        {
+            "name": g["name"],
+            "requests": int(g["requests"]),
+            "input_tokens": int(g["inp"]),
+            "hit_tokens": int(g["hit"]),
+            "hit_rate": g["hit"] / g["inp"] if g["inp"] else 0.0,
+            "hit_rate_steady": g["s_hit"] / g["s_inp"] if g["s_inp"] else None,
+        }
+        for g in grouped.sort("name").to_dicts()
+    ]
     return sorted(out, key=lambda g: -g["input_tokens"])
 
 
@@ -86,6 +96,7 @@ def _by_modality(trace: pa.Table, hit_tokens: np.ndarray, input_tokens: np.ndarr
 
 def point_metrics(
     trace: pa.Table,
+    n_blocks: np.ndarray,
     block_size: int,
     hit_blocks: np.ndarray,
     warmup: float,
@@ -93,18 +104,14 @@ def point_metrics(
     evict_matrix: np.ndarray | None = None,
     tenant_names: list[str] | None = None,
 ) -> dict:
-    """Everything summary.json reports for one point; keys are documented in the README."""
+    """Everything summary.json reports for one point; keys are documented in the README. `trace` needs its
+    per-request columns only (not block_hashes): `n_blocks` gives each request's block count."""
     input_tokens = trace.column("input_tokens").to_numpy().astype(np.int64)
-    n_blocks = pc.list_value_length(trace.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
     hit_blocks = np.asarray(hit_blocks, dtype=np.int64)
     hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
     steady_from = int(trace.num_rows * warmup)
 
-    def labels(name):
-        col = trace.column(name)
-        return (col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col).to_pylist()
-
-    by_tenant = _groups(labels("tenant"), input_tokens, hit_tokens, steady_from)
+    by_tenant = _groups(trace.column("tenant"), input_tokens, hit_tokens, steady_from)
     tenant_rates = [g["hit_rate"] for g in by_tenant]
     fairness = {
         "jain": {"hit_rate": jain_index(tenant_rates)},
@@ -119,7 +126,7 @@ def point_metrics(
         "input_tokens": int(input_tokens.sum()),
         "evictions": int(np.sum(evictions)) if evictions is not None else None,
         "by_tenant": by_tenant,
-        "by_workload": _groups(labels("workload"), input_tokens, hit_tokens, steady_from),
+        "by_workload": _groups(trace.column("workload"), input_tokens, hit_tokens, steady_from),
         "by_modality": _by_modality(trace, hit_tokens, input_tokens),
         "fairness": fairness,
     }

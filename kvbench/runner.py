@@ -4,14 +4,12 @@ the backend (found by entry point) only answers requests."""
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import platform
 import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from . import __version__
 from .errors import KvbenchError
@@ -19,24 +17,10 @@ from .metrics import point_metrics
 from .plugins import load_backend
 from .results import ResultWriter
 from .stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
+from .tracescan import STREAM_BLOCK_REFS, block_references, scan_trace, trace_fingerprint
 from .validate import read_valid_trace
 
 DEFAULT_REPORTS = Path("reports")
-
-
-def trace_fingerprint(table: pa.Table) -> str:
-    """Content hash of what a replay depends on (ids, times, lengths, block ids), not of file bytes, so the
-    same trace written twice has the same fingerprint."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in ("request_id", "arrival_s", "input_tokens", "output_tokens", "block_hashes"):
-        col = table.column(name).combine_chunks()
-        if pa.types.is_list(col.type):
-            h.update(np.asarray(col.offsets).tobytes())
-            col = col.flatten()
-        for buf in col.buffers():
-            if buf is not None:
-                h.update(buf)
-    return h.hexdigest()
 
 
 def new_run_id(backend: str, trace_path: Path) -> str:
@@ -48,12 +32,21 @@ def _environment() -> dict:
     return {"python": sys.version.split()[0], "platform": platform.platform(), "machine": platform.machine()}
 
 
-def _infinite_bound(table: pa.Table, block_size: int, warmup: float) -> dict:
+def _open_trace(trace_path: Path, stream: bool | None):
+    """(per-request table, block counts, infinite-cache hits, fingerprint, meta, whole table or None, scanned
+    trace or None). A trace over STREAM_BLOCK_REFS block references (or any, with stream=True) is scanned
+    with its block ids streamed; otherwise it is read whole, which is faster."""
     import pyarrow.compute as pc
 
-    hits = infinite_cache_hits(table.column("block_hashes"))
+    if stream is None:
+        stream = block_references(trace_path) > STREAM_BLOCK_REFS
+    if stream:
+        s = scan_trace(trace_path)
+        return s.requests, s.n_blocks, s.infinite_hits, s.fingerprint, s.meta, None, s
+    table, meta = read_valid_trace(trace_path)
     n_blocks = pc.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
-    return hit_rates(hits, n_blocks, table.column("input_tokens").to_numpy().astype(np.int64), block_size, warmup)
+    hits = infinite_cache_hits(table.column("block_hashes"))
+    return table, n_blocks, hits, trace_fingerprint(table), meta, table, None
 
 
 def run_replay(
@@ -65,16 +58,24 @@ def run_replay(
     command: str | None = None,
     progress=None,
     report: bool = True,
+    stream: bool | None = None,
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet point by
-    point and summary.json after every point, so an interrupted run keeps and reports what it finished."""
+    point and summary.json after every point, so an interrupted run keeps and reports what it finished.
+    `stream`: replay in bounded memory, block ids read by row group (None: when the trace is large)."""
     trace_path = Path(trace_path)
-    table, meta = read_valid_trace(trace_path)
     try:
         backend_cls = load_backend(backend_name)
     except KeyError as exc:
         raise KvbenchError(exc.args[0]) from None
     backend = backend_cls(**backend_options)
+    requests, n_blocks, infinite_hits, fingerprint, meta, table, scanned = _open_trace(trace_path, stream)
+    if scanned is not None and not hasattr(backend, "replay_stream"):
+        raise KvbenchError(
+            f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
+            "replay it with --no-stream, or cut the trace shorter"
+        )
+    input_tokens = requests.column("input_tokens").to_numpy().astype(np.int64)
     run_dir = Path(out) if out else DEFAULT_REPORTS / new_run_id(backend_name, trace_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = {
@@ -85,25 +86,29 @@ def run_replay(
         "environment": _environment(),
         "trace": {
             "path": str(trace_path),
-            "fingerprint": trace_fingerprint(table),
-            "requests": table.num_rows,
+            "fingerprint": fingerprint,
+            "requests": requests.num_rows,
+            "block_references": int(n_blocks.sum()),
+            "streamed": scanned is not None,
             "block_size": meta.block_size,
             "source": meta.source,
         },
         "backend": backend_name,
         "config": {**backend.config(), "warmup": warmup},
-        "infinite_cache": _infinite_bound(table, meta.block_size, warmup),
+        "infinite_cache": hit_rates(infinite_hits, n_blocks, input_tokens, meta.block_size, warmup),
         "points": [],
         "curves": [],
         "complete": False,
     }
     writer = ResultWriter(run_dir / "requests.parquet")
     try:
-        for point in backend.replay(table, meta):
+        points = backend.replay(table, meta) if scanned is None else backend.replay_stream(scanned)
+        for point in points:
             if "hit_blocks" in point.columns:
-                writer.write(table, point)
+                writer.write(requests, point)
                 metrics = point_metrics(
-                    table,
+                    requests,
+                    n_blocks,
                     meta.block_size,
                     point.columns["hit_blocks"],
                     warmup,

@@ -65,10 +65,10 @@ def _np(col: pa.ChunkedArray, fill) -> np.ndarray:
     return col.fill_null(fill).to_numpy(zero_copy_only=False)
 
 
-def _check_types(table: pa.Table, report: ValidationReport) -> pa.Table | None:
+def _check_types(table: pa.Table, report: ValidationReport, skip=()) -> pa.Table | None:
     """Cast known columns to the schema; report columns that cannot be cast, with the first bad rows."""
     for name in REQUIRED_COLUMNS:
-        if name not in table.column_names:
+        if name not in table.column_names and name not in skip:
             report.add_file(name, "required column is missing")
     good = {}
     for f in TRACE_SCHEMA:
@@ -94,22 +94,22 @@ def _check_types(table: pa.Table, report: ValidationReport) -> pa.Table | None:
     return pa.table(good)
 
 
-def _check_ids(t: pa.Table, report: ValidationReport) -> dict[str, int]:
+def _check_ids(t: pa.Table, report: ValidationReport) -> pa.Array:
+    """The request ids (null as ""), after checking they are present and unique."""
+    import polars as pl  # loaded on use: the CLI starts faster without it
+
     ids = t.column("request_id")
     report.add("request_id", "must not be null", _np(ids.is_null(), False))
-    values = ids.fill_null("").to_numpy(zero_copy_only=False)
-    _, first, counts = np.unique(values, return_index=True, return_counts=True)
-    dup_mask = np.ones(values.size, dtype=bool)
-    dup_mask[first] = False
-    if counts.max(initial=1) > 1:
-        report.add("request_id", "duplicate request_id (an earlier row has the same id)", dup_mask)
-    return {v: i for i, v in enumerate(values.tolist())}
+    values = ids.fill_null("").combine_chunks()
+    repeated = ~pl.Series(values).is_first_distinct().to_numpy()
+    report.add("request_id", "duplicate request_id (an earlier row has the same id)", repeated)
+    return values
 
 
-def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> None:
+def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport, lengths: np.ndarray | None) -> None:
     n = t.num_rows
     for name in REQUIRED_COLUMNS:
-        if name != "request_id":
+        if name not in ("request_id", "block_hashes"):
             report.add(name, "must not be null", _np(t.column(name).is_null(), False))
     arrival = _np(t.column("arrival_s"), 0.0)
     report.add(
@@ -126,14 +126,14 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
     report.add("input_tokens", "must be > 0", inp <= 0)
     report.add("output_tokens", "must be >= 0", out < 0)
 
-    hashes = t.column("block_hashes")
-    report.add("block_hashes", "must not be null", _np(hashes.is_null(), False))
-    lengths = _np(pc.list_value_length(hashes), 0).astype(np.int64)
+    if lengths is None:
+        lengths = block_lengths(t.column("block_hashes"))
+    report.add("block_hashes", "must not be null", lengths < 0)
     expected = -(-np.maximum(inp, 0) // block_size)
     report.add(
         "block_hashes",
         f"length must be ceil(input_tokens / block_size={block_size})",
-        (lengths != expected) & (inp > 0) & ~_np(hashes.is_null(), True),
+        (lengths != expected) & (inp > 0) & (lengths >= 0),
     )
 
     def optional(name, fill, rule, bad):
@@ -168,28 +168,31 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
             )
 
 
-def _check_references(t: pa.Table, index: dict[str, int], report: ValidationReport) -> None:
-    parent = t.column("parent_id").to_pylist()
-    dangling = [i for i, p in enumerate(parent) if p is not None and p not in index]
-    report.add("parent_id", "refers to a request_id that is not in the trace", dangling)
+def _check_references(t: pa.Table, ids: pa.Array, report: ValidationReport) -> None:
+    parent = t.column("parent_id")
+    if parent.null_count < t.num_rows:
+        found = pc.index_in(parent, value_set=ids)
+        report.add(
+            "parent_id",
+            "refers to a request_id that is not in the trace",
+            _np(found.is_null(), False) & _np(parent.is_valid(), False),
+        )
 
     deps = t.column("depends_on")
     if deps.null_count == t.num_rows:
         return
-    graph: dict[int, list[int]] = defaultdict(list)
-    missing, backward = [], False
-    for row, dlist in enumerate(deps.to_pylist()):
-        for d in dlist or ():
-            j = index.get(d)
-            if j is None:
-                missing.append(row)
-            else:
-                graph[row].append(j)
-                backward |= j >= row
-    report.add("depends_on", "refers to a request_id that is not in the trace", sorted(set(missing)))
-    if backward:  # only an edge to the same or a later row can close a cycle
-        cyclic = _rows_on_cycles(graph)
-        report.add("depends_on", "dependency cycle (requests that wait for each other)", cyclic)
+    deps = deps.combine_chunks()
+    flat = pc.list_flatten(deps)
+    rows = np.asarray(pc.list_parent_indices(deps), dtype=np.int64)
+    targets = pc.index_in(flat, value_set=ids)
+    missing = _np(targets.is_null(), False)
+    report.add("depends_on", "refers to a request_id that is not in the trace", np.unique(rows[missing]))
+    rows, targets = rows[~missing], _np(targets, 0)[~missing].astype(np.int64)
+    if np.any(targets >= rows):  # only an edge to the same or a later row can close a cycle
+        graph: dict[int, list[int]] = defaultdict(list)
+        for row, target in zip(rows.tolist(), targets.tolist()):
+            graph[row].append(target)
+        report.add("depends_on", "dependency cycle (requests that wait for each other)", _rows_on_cycles(graph))
 
 
 def _rows_on_cycles(graph: dict[int, list[int]]) -> list[int]:
@@ -218,20 +221,29 @@ def _rows_on_cycles(graph: dict[int, list[int]]) -> list[int]:
     return sorted(on_cycle)
 
 
-def validate_table(table: pa.Table, block_size: int, source: str = "<table>") -> ValidationReport:
+def block_lengths(hashes: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Blocks per request, -1 where block_hashes is null."""
+    return _np(pc.list_value_length(hashes), -1).astype(np.int64)
+
+
+def validate_table(
+    table: pa.Table, block_size: int, source: str = "<table>", block_lengths: np.ndarray | None = None
+) -> ValidationReport:
+    """Check every rule. `block_lengths` (from `block_lengths()`, -1 for null) stands in for a block_hashes
+    column left out of `table`, so that a trace streamed by row groups is validated without its block ids."""
     report = ValidationReport(source=source, rows=table.num_rows)
     if table.num_rows == 0:
         report.add_file("request_id", "trace has no requests")
         return report
-    typed = _check_types(table, report)
+    typed = _check_types(table, report, skip=() if block_lengths is None else ("block_hashes",))
     if typed is None:
         return report
     for f in TRACE_SCHEMA:
-        if f.name not in typed.column_names:
+        if f.name not in typed.column_names and not (f.name == "block_hashes" and block_lengths is not None):
             typed = typed.append_column(f.name, pa.nulls(typed.num_rows, f.type))
-    index = _check_ids(typed, report)
-    _check_numbers(typed, block_size, report)
-    _check_references(typed, index, report)
+    ids = _check_ids(typed, report)
+    _check_numbers(typed, block_size, report, block_lengths)
+    _check_references(typed, ids, report)
     return report
 
 

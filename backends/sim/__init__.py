@@ -18,7 +18,7 @@ from kvbench.errors import KvbenchError
 from kvbench.traceio import TraceMeta
 
 from . import policies as _policies
-from .prepared import prepare
+from .prepared import prepare, prepare_requests
 
 BOUND = "belady"
 CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary and the plot
@@ -192,9 +192,46 @@ class SimBackend:
         if self.curve:
             yield from self._curves(pols, prepared_for)
 
+    def replay_stream(self, scanned) -> Iterator[PointResult]:
+        """The same points as `replay`, with the block ids read chunk by chunk (bounded memory): policies that
+        can carry their cache across chunks only; the Belady bound (it needs the future) is left out."""
+        from .stream import replay_stream
+
+        if self.curve:
+            raise KvbenchError("--curve needs the whole trace in memory; drop --curve or replay with --no-stream")
+        if self.reference:
+            raise KvbenchError("--reference needs the whole trace in memory; replay with --no-stream")
+        pols = [_policies.get(n) for n in self.policies]
+        blocked = [p.name for p in pols if p.carry is None]
+        if blocked:
+            can = ", ".join(n for n, p in _policies.registry().items() if p.carry is not None)
+            raise KvbenchError(
+                f"policy {', '.join(blocked)} needs the whole trace in memory; streamed replays "
+                f"({scanned.n_blocks.sum():,} block references) support {can}, or replay with --no-stream"
+            )
+        for pol in pols:
+            self._check_needs(pol, scanned.requests)
+        bs = scanned.meta.block_size
+        caps = parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype)
+        for pol in pols:
+            requests = prepare_requests(scanned.requests, bs, scanned.n_blocks, vllm_cap=pol.name == "vllm")
+            for cap in caps:
+                out = replay_stream(
+                    pol.carry,
+                    cap.blocks,
+                    requests,
+                    scanned.chunks(["cache_salt", "lora"]),
+                    scanned.chunk_refs,
+                    use_salt=self.salt,
+                    share_lora=self.share_lora_kv,
+                )
+                yield self._result(pol, requests, out, cap.blocks, cap.text)
+
     def _point(self, pol, prep, blocks: int, text: str) -> PointResult:
         run = pol.reference if self.reference else pol.kernel
-        out = run(prep, blocks, self.policy_options)
+        return self._result(pol, prep, run(prep, blocks, self.policy_options), blocks, text)
+
+    def _result(self, pol, prep, out, blocks: int, text: str) -> PointResult:
         hit_tokens = np.minimum(out.hit_blocks.astype(np.int64) * prep.block_size, prep.input_tokens)
         steady_from = int(prep.n_requests * 0.5)
         return PointResult(

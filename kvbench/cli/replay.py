@@ -69,7 +69,13 @@ class ReplayCommand(click.Command):
     show_default=True,
     help="write report.md and report.html (plots) next to the results",
 )
-def replay(trace_path, backend, out, warmup, as_json, report, **backend_options):
+@click.option(
+    "--stream/--no-stream",
+    default=None,
+    help="read the trace's block ids row group by row group, in bounded memory (sim: lru and vllm, no "
+    "Belady bound) [default: stream traces of more than 60 million block references]",
+)
+def replay(trace_path, backend, out, warmup, as_json, report, stream, **backend_options):
     """Replay TRACE through a backend and write requests.parquet, summary.json and reports.
 
     Example: kvbench replay traces/samples/chat.parquet --policy lru,radix-lru --capacity 1000,3000,10000
@@ -92,6 +98,7 @@ def replay(trace_path, backend, out, warmup, as_json, report, **backend_options)
             command=shlex.join(["kvbench", *sys.argv[1:]]),
             progress=progress,
             report=report,
+            stream=stream,
         )
     if as_json:
         click.echo(json.dumps(summary, indent=2))

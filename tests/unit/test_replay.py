@@ -192,3 +192,35 @@ def test_curve_with_belady_bound(tmp_path):
 def test_curve_needs_a_stack_policy(tmp_path):
     r = kvbench("replay", CHAT, "--policy", "fifo", "--curve", "--out", tmp_path / "r")
     assert r.returncode != 0 and "needs a stack policy" in r.stderr
+
+
+@pytest.mark.parametrize("sample", ["multi-tenant", "mix"])
+def test_streamed_replay_equals_in_memory(tmp_path, sample):
+    """--stream (block ids read by row group, ids recycled) gives the in-memory run's results exactly."""
+    trace = REPO / f"traces/samples/{sample}.parquet"
+    runs = {}
+    for mode in ("--stream", "--no-stream"):
+        out = tmp_path / mode
+        args = ("replay", trace, "--policy", "lru,vllm", "--capacity", "300,4000", "--no-bound", "--out", out, mode)
+        r = kvbench(*args)
+        assert r.returncode == 0, r.stderr
+        runs[mode] = (json.loads((out / "summary.json").read_text()), pq.read_table(out / "requests.parquet"))
+    (streamed, s_rows), (whole, w_rows) = runs["--stream"], runs["--no-stream"]
+    assert streamed["trace"]["streamed"] and not whole["trace"]["streamed"]
+    for key in ("fingerprint", "requests", "block_references"):
+        assert streamed["trace"][key] == whole["trace"][key]
+    assert streamed["infinite_cache"] == whole["infinite_cache"]
+    assert streamed["points"] == whole["points"]
+    assert s_rows.equals(w_rows)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--policy", "radix-lru"), "needs the whole trace in memory"),
+        (("--policy", "lru", "--curve"), "--curve needs the whole trace"),
+    ],
+)
+def test_stream_refuses_what_needs_the_whole_trace(tmp_path, extra, message):
+    r = kvbench("replay", CHAT, "--capacity", "100", "--stream", "--out", tmp_path / "r", *extra)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
