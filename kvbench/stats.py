@@ -103,28 +103,61 @@ def _breakdown(frame, key: str) -> list[dict]:
 
 
 def trace_info(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP) -> dict:
-    """Everything `kvbench trace info` prints, as a JSON-ready dict with stable keys."""
-    n = table.num_rows
-    arrival = table.column("arrival_s").to_numpy()
-    inp = table.column("input_tokens").to_numpy().astype(np.int64)
-    out = table.column("output_tokens").to_numpy().astype(np.int64)
+    """Everything `kvbench trace info` prints, as a JSON-ready dict with stable keys (whole table in memory)."""
     hashes = table.column("block_hashes")
     n_blocks = pc.list_value_length(hashes).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(hashes)
     unique_blocks = int(pc.count_distinct(flat).as_py()) if len(flat) else 0
-    hits = infinite_cache_hits(hashes)
-    duration = float(arrival[-1] - arrival[0]) if n else 0.0
+    return _summarize(table, block_size, warmup, infinite_cache_hits(hashes), n_blocks, unique_blocks)
 
+
+def trace_info_file(path, warmup: float = DEFAULT_WARMUP, tmpdir=None) -> dict:
+    """Validate the trace at `path` and return its `trace_info`, in bounded memory: the block ids are read
+    row group by row group (`tracescan.scan_trace`; the infinite-cache bound spills to `tmpdir`), and only
+    the per-request columns are held (tens of bytes a request). Raises ValidationFailed."""
+    from .traceio import read_trace
+    from .tracescan import scan_trace
+
+    scanned = scan_trace(path, tmpdir=tmpdir)
+    ids, _ = read_trace(path, columns=[c for c in ("session_id", "user_id") if c in _file_columns(path)])
+    table = scanned.requests
+    for name in ("session_id", "user_id"):
+        table = table.append_column(name, ids.column(name) if name in ids.column_names else pa.nulls(len(table)))
+    return _summarize(
+        table, scanned.meta.block_size, warmup, scanned.infinite_hits, scanned.n_blocks, scanned.unique_blocks
+    )
+
+
+def _file_columns(path) -> list[str]:
+    from .traceio import _open
+
+    return _open(path).schema_arrow.names
+
+
+def _summarize(
+    table: pa.Table, block_size: int, warmup: float, hits: np.ndarray, n_blocks: np.ndarray, unique_blocks: int
+) -> dict:
+    """The trace info dict from the per-request columns plus the block statistics, however computed."""
     import polars as pl
+
+    n = table.num_rows
+    arrival = table.column("arrival_s").to_numpy()
+    inp = table.column("input_tokens").to_numpy().astype(np.int64)
+    out = table.column("output_tokens").to_numpy().astype(np.int64)
+    duration = float(arrival[-1] - arrival[0]) if n else 0.0
 
     def text_col(name):
         col = table.column(name)
         return col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
 
+    def text_series(name):
+        # Arrow to polars directly: to_pylist() built one Python str per request (slow on millions of rows).
+        return pl.from_arrow(text_col(name)).cast(pl.Utf8).alias(name)
+
     frame = pl.DataFrame(
         {
-            "workload": pl.Series(text_col("workload").to_pylist(), dtype=pl.Utf8),
-            "tenant": pl.Series(text_col("tenant").to_pylist(), dtype=pl.Utf8),
+            "workload": text_series("workload"),
+            "tenant": text_series("tenant"),
             "input_tokens": inp,
             "output_tokens": out,
             "hit_tokens": np.minimum(hits * block_size, inp),

@@ -91,7 +91,9 @@ def _open(path: str | Path) -> pq.ParquetFile:
     if path.stat().st_size == 0:
         raise TraceFormatError(f"{path}: file is empty")
     try:
-        return pq.ParquetFile(path)
+        # pre_buffer=False: with pre-buffering, pyarrow keeps the compressed bytes of every row group read
+        # so far while iterating batches, so memory grows with the trace (measured: 155 MB after 122 groups)
+        return pq.ParquetFile(path, pre_buffer=False)
     except (pa.ArrowInvalid, OSError) as exc:
         raise TraceFormatError(f"{path}: not a readable Parquet file ({exc}); was it truncated?") from None
 

@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import TraceFormatError, ValidationFailed
+from .errors import ValidationFailed
 from .schema import TRACE_SCHEMA
-from .traceio import TraceMeta, _open, iter_batches, read_trace
-from .validate import block_lengths, validate_table
+from .traceio import ROW_GROUP_SIZE, TraceMeta, _open, iter_batches, read_meta
+from .validate import References, ValidationReport, block_lengths, check_across_rows, check_rows
 
 # Above this many block references a replay streams the trace (about 0.5 GB of block ids in memory).
 STREAM_BLOCK_REFS = 60_000_000
@@ -42,22 +42,25 @@ class Fingerprint:
     the same for a trace however it is chunked or written. Fed column by column, chunk by chunk."""
 
     def __init__(self):
-        self._columns = {name: hashlib.blake2b(digest_size=16) for name in _FINGERPRINTED}
+        # one hash per column and part (lengths, values), so that how the column is chunked does not matter
+        self._parts: dict[tuple[str, str], hashlib.blake2b] = {}
+
+    def _feed(self, name: str, part: str, data) -> None:
+        self._parts.setdefault((name, part), hashlib.blake2b(digest_size=16)).update(data)
 
     def update(self, name: str, values: pa.Array | pa.ChunkedArray) -> None:
-        h = self._columns[name]
         for arr in values.chunks if isinstance(values, pa.ChunkedArray) else [values]:
             if pa.types.is_list(arr.type):
-                h.update(np.asarray(pc.list_value_length(arr).fill_null(-1), dtype=np.int64).tobytes())
+                self._feed(name, "lengths", np.asarray(pc.list_value_length(arr).fill_null(-1), np.int64).tobytes())
                 arr = pc.list_flatten(arr)
             if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-                h.update(np.asarray(pc.binary_length(arr).fill_null(-1), dtype=np.int64).tobytes())
+                self._feed(name, "lengths", np.asarray(pc.binary_length(arr).fill_null(-1), np.int64).tobytes())
                 arr = arr.fill_null("").cast(pa.large_string())
                 offsets = np.frombuffer(arr.buffers()[1], np.int64)[arr.offset : arr.offset + len(arr) + 1]
                 if len(arr) and arr.buffers()[2] is not None:
-                    h.update(memoryview(arr.buffers()[2])[offsets[0] : offsets[-1]])
+                    self._feed(name, "values", memoryview(arr.buffers()[2])[offsets[0] : offsets[-1]])
             else:
-                h.update(np.ascontiguousarray(arr.to_numpy(zero_copy_only=False)).tobytes())
+                self._feed(name, "values", np.ascontiguousarray(arr.to_numpy(zero_copy_only=False)).tobytes())
 
     def update_table(self, table: pa.Table) -> None:
         for name in _FINGERPRINTED:
@@ -66,8 +69,8 @@ class Fingerprint:
 
     def hexdigest(self) -> str:
         total = hashlib.blake2b(digest_size=16)
-        for h in self._columns.values():
-            total.update(h.digest())
+        for key in sorted(self._parts):
+            total.update(self._parts[key].digest())
         return total.hexdigest()
 
 
@@ -77,60 +80,84 @@ def trace_fingerprint(table: pa.Table) -> str:
     return fp.hexdigest()
 
 
+# The per-request columns a replay keeps (block counts aside); the rest is only validated.
+KEPT_COLUMNS = (
+    "request_id",
+    "arrival_s",
+    "input_tokens",
+    "output_tokens",
+    "workload",
+    "tenant",
+    "priority",
+    "mm_items",
+    "cache_salt",
+    "lora",
+)
+
+
 @dataclass
 class ScannedTrace:
     """A validated trace without its block ids in memory."""
 
     path: Path
     meta: TraceMeta
-    requests: pa.Table  # every column but block_hashes
+    requests: pa.Table  # KEPT_COLUMNS, cast to the schema
     n_blocks: np.ndarray  # int64[n]
     infinite_hits: np.ndarray  # int64[n]: hit blocks with an unbounded cache (prefix rule)
     unique_blocks: int
     fingerprint: str
     chunk_refs: int  # most block references in one chunk of `chunks()`
+    chunk_rows: int = ROW_GROUP_SIZE
 
     def chunks(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         """block_hashes (and the other `columns` the trace has) in row order, chunk by chunk."""
-        present = ["block_hashes"] + [c for c in columns if c in self.requests.column_names and c != "block_hashes"]
-        for batch in iter_batches(self.path, columns=present):
-            yield _with_block_type(batch, self.path)
+        names = set(_open(self.path).schema_arrow.names)
+        wanted = ["block_hashes"] + [c for c in columns if c in names]
+        for batch in iter_batches(self.path, columns=wanted, batch_size=self.chunk_rows):
+            col = batch.column("block_hashes")
+            if not col.type.equals(_BLOCKS_TYPE):  # validated castable
+                batch = batch.set_column(
+                    batch.schema.get_field_index("block_hashes"), "block_hashes", col.cast(_BLOCKS_TYPE)
+                )
+            yield batch
 
 
-def _with_block_type(batch: pa.RecordBatch, path) -> pa.RecordBatch:
-    col = batch.column("block_hashes")
-    if col.type.equals(_BLOCKS_TYPE):
-        return batch
-    try:
-        cast = col.cast(_BLOCKS_TYPE, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        raise TraceFormatError(
-            f"{path}: column 'block_hashes' has type {col.type}, expected {_BLOCKS_TYPE} (unsigned 64-bit block "
-            "ids); re-import the trace with `kvbench trace import`"
-        ) from None
-    return batch.set_column(batch.schema.get_field_index("block_hashes"), "block_hashes", cast)
-
-
-def scan_trace(path: str | Path, tmpdir=None) -> ScannedTrace:
-    """Validate and summarise a trace in one streamed pass over its block ids; raises ValidationFailed."""
+def scan_trace(path: str | Path, tmpdir=None, chunk_rows: int = ROW_GROUP_SIZE) -> ScannedTrace:
+    """Validate and summarise a trace in one pass, chunk by chunk (raises ValidationFailed). Memory: one
+    chunk, the kept per-request columns, and the cross-row references (ids and dependencies)."""
     from .outofcore import InfiniteCacheStream
 
     path = Path(path)
-    names = [n for n in _open(path).schema_arrow.names if n != "block_hashes"]
-    requests, meta = read_trace(path, columns=names)
+    meta, rows = read_meta(path), _open(path).metadata.num_rows
+    report = ValidationReport(source=str(path), rows=rows)
+    if rows == 0:
+        report.add_file("request_id", "trace has no requests")
+        raise ValidationFailed(report)
     fingerprint = Fingerprint()
-    fingerprint.update_table(requests)
-    lengths, chunk_refs = [], 0
+    kept, lengths, refs, chunk_refs, last_arrival = [], [], [], 0, None
     with InfiniteCacheStream(tmpdir=tmpdir) as stream:
-        for batch in iter_batches(path, columns=["block_hashes"]):
-            hashes = _with_block_type(batch, path).column("block_hashes")
-            lengths.append(block_lengths(hashes))
-            chunk_refs = max(chunk_refs, int(np.maximum(lengths[-1], 0).sum()))
-            fingerprint.update("block_hashes", hashes)
-            stream.add(hashes.fill_null(pa.scalar([], _BLOCKS_TYPE)) if hashes.null_count else hashes)
-        n_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        report = validate_table(requests, meta.block_size, str(path), block_lengths=n_lengths)
+        start = 0
+        for batch in iter_batches(path, batch_size=chunk_rows):
+            typed = check_rows(pa.Table.from_batches([batch]), meta.block_size, report, first_row=start)
+            if typed is not None:
+                arrival = typed.column("arrival_s")
+                if last_arrival is not None and len(arrival) and arrival[0].as_py() < last_arrival:
+                    report.add("arrival_s", "arrivals must be non-decreasing (sort the trace by arrival)", [0])
+                last_arrival = arrival[-1].as_py() if len(arrival) else last_arrival
+                hashes = typed.column("block_hashes")
+                lengths.append(block_lengths(hashes))
+                chunk_refs = max(chunk_refs, int(np.maximum(lengths[-1], 0).sum()))
+                fingerprint.update_table(typed)
+                refs.append(References.of(typed, start))
+                if report.ok:  # (an invalid trace is reported, never replayed: stop collecting for it)
+                    stream.add(hashes.fill_null(pa.scalar([], _BLOCKS_TYPE)).combine_chunks())
+                    kept.append(typed.select(list(KEPT_COLUMNS)))
+            start += batch.num_rows
+        if len(refs) == -(-rows // chunk_rows):  # every chunk could be read as the schema's types
+            check_across_rows(References.concat(refs), report)
         if not report.ok:
             raise ValidationFailed(report)
         hits, unique = stream.finish()
-    return ScannedTrace(path, meta, requests, n_lengths, hits, unique, fingerprint.hexdigest(), chunk_refs)
+    requests = pa.concat_tables(kept).combine_chunks()
+    n_blocks = np.concatenate(lengths)
+    return ScannedTrace(path, meta, requests, n_blocks, hits, unique, fingerprint.hexdigest(), chunk_refs, chunk_rows)

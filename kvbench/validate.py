@@ -37,22 +37,32 @@ class ValidationReport:
     source: str
     rows: int
     violations: list[Violation] = field(default_factory=list)
+    first_row: int = 0  # added to row numbers: the chunk being checked starts at this row of the trace
 
     @property
     def ok(self) -> bool:
         return not self.violations
 
     def add(self, column: str, rule: str, mask_or_rows) -> None:
-        """Record a violation for a boolean row mask or a list of row numbers (nothing if none)."""
+        """Record a violation for a boolean row mask or a list of row numbers (nothing if none). The same rule
+        broken again (in a later chunk of a streamed trace) extends one entry."""
         if isinstance(mask_or_rows, np.ndarray) and mask_or_rows.dtype == np.bool_:
             rows = np.flatnonzero(mask_or_rows)
         else:
             rows = np.asarray(mask_or_rows, dtype=np.int64)
-        if rows.size:
-            self.violations.append(Violation(column, rule, rows[:ROWS_SHOWN].tolist(), int(rows.size)))
+        if not rows.size:
+            return
+        shown = (rows[:ROWS_SHOWN] + self.first_row).tolist()
+        for v in self.violations:
+            if (v.column, v.rule) == (column, rule):
+                v.rows = (v.rows + shown)[:ROWS_SHOWN]
+                v.count += int(rows.size)
+                return
+        self.violations.append(Violation(column, rule, shown, int(rows.size)))
 
     def add_file(self, column: str, rule: str) -> None:
-        self.violations.append(Violation(column, rule, [], 0))
+        if all((v.column, v.rule) != (column, rule) for v in self.violations):
+            self.violations.append(Violation(column, rule, [], 0))
 
     def summary(self) -> str:
         if self.ok:
@@ -65,10 +75,11 @@ def _np(col: pa.ChunkedArray, fill) -> np.ndarray:
     return col.fill_null(fill).to_numpy(zero_copy_only=False)
 
 
-def _check_types(table: pa.Table, report: ValidationReport, skip=()) -> pa.Table | None:
+def _check_types(table: pa.Table, report: ValidationReport) -> pa.Table | None:
     """Cast known columns to the schema; report columns that cannot be cast, with the first bad rows."""
+    before = sum(v.count or 1 for v in report.violations)
     for name in REQUIRED_COLUMNS:
-        if name not in table.column_names and name not in skip:
+        if name not in table.column_names:
             report.add_file(name, "required column is missing")
     good = {}
     for f in TRACE_SCHEMA:
@@ -89,27 +100,15 @@ def _check_types(table: pa.Table, report: ValidationReport, skip=()) -> pa.Table
                 report.add(f.name, f"value cannot be converted ({rule})", bad)
             else:
                 report.add_file(f.name, rule)
-    if not report.ok:
+    if sum(v.count or 1 for v in report.violations) > before:
         return None
     return pa.table(good)
 
 
-def _check_ids(t: pa.Table, report: ValidationReport) -> pa.Array:
-    """The request ids (null as ""), after checking they are present and unique."""
-    import polars as pl  # loaded on use: the CLI starts faster without it
-
-    ids = t.column("request_id")
-    report.add("request_id", "must not be null", _np(ids.is_null(), False))
-    values = ids.fill_null("").combine_chunks()
-    repeated = ~pl.Series(values).is_first_distinct().to_numpy()
-    report.add("request_id", "duplicate request_id (an earlier row has the same id)", repeated)
-    return values
-
-
-def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport, lengths: np.ndarray | None) -> None:
+def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> None:
     n = t.num_rows
     for name in REQUIRED_COLUMNS:
-        if name not in ("request_id", "block_hashes"):
+        if name != "block_hashes":
             report.add(name, "must not be null", _np(t.column(name).is_null(), False))
     arrival = _np(t.column("arrival_s"), 0.0)
     report.add(
@@ -126,8 +125,7 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport, lengt
     report.add("input_tokens", "must be > 0", inp <= 0)
     report.add("output_tokens", "must be >= 0", out < 0)
 
-    if lengths is None:
-        lengths = block_lengths(t.column("block_hashes"))
+    lengths = block_lengths(t.column("block_hashes"))
     report.add("block_hashes", "must not be null", lengths < 0)
     expected = -(-np.maximum(inp, 0) // block_size)
     report.add(
@@ -168,26 +166,61 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport, lengt
             )
 
 
-def _check_references(t: pa.Table, ids: pa.Array, report: ValidationReport) -> None:
-    parent = t.column("parent_id")
-    if parent.null_count < t.num_rows:
-        found = pc.index_in(parent, value_set=ids)
-        report.add(
-            "parent_id",
-            "refers to a request_id that is not in the trace",
-            _np(found.is_null(), False) & _np(parent.is_valid(), False),
+@dataclass
+class References:
+    """What the rules across rows look at: every request id, and the rows that name other requests."""
+
+    ids: pa.Array  # request_id of every row, null as ""
+    parent_rows: np.ndarray
+    parents: pa.Array  # parent_id of those rows
+    dep_rows: np.ndarray  # one entry per depends_on element
+    deps: pa.Array
+
+    @classmethod
+    def of(cls, t: pa.Table, first_row: int = 0) -> References:
+        parent = t.column("parent_id").combine_chunks()
+        has_parent = np.flatnonzero(_np(parent.is_valid(), False))
+        deps = t.column("depends_on").combine_chunks()
+        return cls(
+            ids=t.column("request_id").fill_null("").combine_chunks(),
+            parent_rows=has_parent + first_row,
+            parents=parent.take(pa.array(has_parent)),
+            dep_rows=np.asarray(pc.list_parent_indices(deps), dtype=np.int64) + first_row,
+            deps=pc.list_flatten(deps),
         )
 
-    deps = t.column("depends_on")
-    if deps.null_count == t.num_rows:
+    @classmethod
+    def concat(cls, parts: list[References]) -> References:
+        def cat(arrays):
+            return pa.concat_arrays([a.cast(pa.string()) for a in arrays]) if arrays else pa.array([], pa.string())
+
+        return cls(
+            ids=cat([p.ids for p in parts]),
+            parent_rows=np.concatenate([p.parent_rows for p in parts] or [np.zeros(0, np.int64)]),
+            parents=cat([p.parents for p in parts]),
+            dep_rows=np.concatenate([p.dep_rows for p in parts] or [np.zeros(0, np.int64)]),
+            deps=cat([p.deps for p in parts]),
+        )
+
+
+def check_across_rows(refs: References, report: ValidationReport) -> None:
+    """Rules that relate rows: unique request ids, parent_id and depends_on naming requests of the trace, no
+    dependency cycles."""
+    import polars as pl  # loaded on use: the CLI starts faster without it
+
+    report.first_row = 0
+    repeated = ~pl.Series(refs.ids).is_first_distinct().to_numpy()
+    report.add("request_id", "duplicate request_id (an earlier row has the same id)", repeated)
+    if len(refs.parents):
+        found = pc.index_in(refs.parents, value_set=refs.ids)
+        dangling = refs.parent_rows[_np(found.is_null(), False)]
+        report.add("parent_id", "refers to a request_id that is not in the trace", dangling)
+    if not len(refs.deps):
         return
-    deps = deps.combine_chunks()
-    flat = pc.list_flatten(deps)
-    rows = np.asarray(pc.list_parent_indices(deps), dtype=np.int64)
-    targets = pc.index_in(flat, value_set=ids)
+    targets = pc.index_in(refs.deps, value_set=refs.ids)
     missing = _np(targets.is_null(), False)
-    report.add("depends_on", "refers to a request_id that is not in the trace", np.unique(rows[missing]))
-    rows, targets = rows[~missing], _np(targets, 0)[~missing].astype(np.int64)
+    report.add("depends_on", "refers to a request_id that is not in the trace", np.unique(refs.dep_rows[missing]))
+    rows, targets = refs.dep_rows[~missing], _np(targets, 0)[~missing].astype(np.int64)
     if np.any(targets >= rows):  # only an edge to the same or a later row can close a cycle
         graph: dict[int, list[int]] = defaultdict(list)
         for row, target in zip(rows.tolist(), targets.tolist()):
@@ -226,24 +259,29 @@ def block_lengths(hashes: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return _np(pc.list_value_length(hashes), -1).astype(np.int64)
 
 
-def validate_table(
-    table: pa.Table, block_size: int, source: str = "<table>", block_lengths: np.ndarray | None = None
-) -> ValidationReport:
-    """Check every rule. `block_lengths` (from `block_lengths()`, -1 for null) stands in for a block_hashes
-    column left out of `table`, so that a trace streamed by row groups is validated without its block ids."""
+def check_rows(table: pa.Table, block_size: int, report: ValidationReport, first_row: int = 0) -> pa.Table | None:
+    """Rules that look at one row at a time, on `table` (all of a trace, or a chunk of it starting at
+    `first_row`). Returns the table cast to the schema, with absent columns as nulls; None if a column
+    cannot be cast."""
+    report.first_row = first_row
+    typed = _check_types(table, report)
+    if typed is None:
+        return None
+    for f in TRACE_SCHEMA:
+        if f.name not in typed.column_names:
+            typed = typed.append_column(f.name, pa.nulls(typed.num_rows, f.type))
+    _check_numbers(typed, block_size, report)
+    return typed
+
+
+def validate_table(table: pa.Table, block_size: int, source: str = "<table>") -> ValidationReport:
     report = ValidationReport(source=source, rows=table.num_rows)
     if table.num_rows == 0:
         report.add_file("request_id", "trace has no requests")
         return report
-    typed = _check_types(table, report, skip=() if block_lengths is None else ("block_hashes",))
-    if typed is None:
-        return report
-    for f in TRACE_SCHEMA:
-        if f.name not in typed.column_names and not (f.name == "block_hashes" and block_lengths is not None):
-            typed = typed.append_column(f.name, pa.nulls(typed.num_rows, f.type))
-    ids = _check_ids(typed, report)
-    _check_numbers(typed, block_size, report, block_lengths)
-    _check_references(typed, ids, report)
+    typed = check_rows(table, block_size, report)
+    if typed is not None:
+        check_across_rows(References.of(typed), report)
     return report
 
 

@@ -11,8 +11,8 @@ import click
 
 from .. import generators, importers
 from ..export import EXPORTERS
-from ..stats import DEFAULT_WARMUP, trace_info
-from ..traceio import read_trace, write_trace
+from ..stats import DEFAULT_WARMUP, trace_info_file
+from ..traceio import read_meta, read_trace, write_trace
 from ..validate import check, read_valid_trace, validate_table
 from .render import console, info_markdown, print_info
 
@@ -179,9 +179,9 @@ def export(trace_path, fmt, out, renumber):
 def info(trace_path, as_json, warmup, markdown):
     """Counts, duration, rates, length percentiles, per-workload/tenant breakdowns, unique blocks and the
     infinite-cache prefix hit rate (all requests and steady state)."""
-    table, meta = read_valid_trace(trace_path)
-    with console.status("computing statistics"):
-        stats = trace_info(table, meta.block_size, warmup)
+    with console.status("validating and computing statistics"):
+        stats = trace_info_file(trace_path, warmup)
+    meta = read_meta(trace_path)
     stats = {"trace": str(trace_path), "source": meta.source, **stats}
     if markdown:
         Path(markdown).parent.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.compute as pc
 import pytest
-
 from kvbench.backends.sim import policies
 from kvbench.backends.sim.prepared import prepare, prepare_requests
 from kvbench.backends.sim.stream import replay_stream
+
 from kvbench.traceio import read_trace
 
 from ...conftest import REPO
@@ -36,9 +36,7 @@ def test_stream_equals_in_memory(path, name, capacity):
     chunk_rows = 97  # many chunks, none aligned with anything in the trace
     batches = table.to_batches(max_chunksize=chunk_rows)
     chunk_refs = max(int(pc.sum(pc.list_value_length(b.column("block_hashes"))).as_py() or 0) for b in batches)
-    streamed = replay_stream(
-        pol.carry, capacity, columns, iter(batches), chunk_refs, use_salt=True, share_lora=False
-    )
+    streamed = replay_stream(pol.carry, capacity, columns, iter(batches), chunk_refs, use_salt=True, share_lora=False)
     np.testing.assert_array_equal(streamed.hit_blocks, whole.hit_blocks)
     np.testing.assert_array_equal(streamed.evictions, whole.evictions)
     np.testing.assert_array_equal(streamed.evict_matrix, whole.evict_matrix)
