@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -42,6 +41,9 @@ def _text(col: pa.ChunkedArray) -> pa.ChunkedArray:
     return col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
 
 
+WRITE_ROWS = 1 << 20
+
+
 class ResultWriter:
     """Appends one row group per point to requests.parquet; `close()` (also on interruption) seals the file."""
 
@@ -49,10 +51,15 @@ class ResultWriter:
         self.path = path
         self._writer = pq.ParquetWriter(path, RESULT_SCHEMA, compression="zstd")
 
-    def write(self, trace: pa.Table, point: PointResult) -> pa.Table:
+    def write(self, trace: pa.Table, point: PointResult) -> None:
+        # slice by slice: the result rows of a 10M-request trace would otherwise be built whole in memory
+        for start in range(0, trace.num_rows, WRITE_ROWS):
+            self._writer.write_table(self._rows(trace.slice(start, WRITE_ROWS), point, start))
+
+    def _rows(self, trace: pa.Table, point: PointResult, start: int) -> pa.Table:
         n = trace.num_rows
         arrays = {
-            "point": pa.array(np.full(n, point.name, dtype=object), pa.string()),
+            "point": pa.repeat(pa.scalar(point.name, pa.string()), n),
             "request_id": trace.column("request_id"),
             "tenant": _text(trace.column("tenant")),
             "workload": _text(trace.column("workload")),
@@ -63,10 +70,8 @@ class ResultWriter:
             if f.name in arrays:
                 continue
             values = point.columns.get(f.name)
-            arrays[f.name] = pa.nulls(n, f.type) if values is None else pa.array(values).cast(f.type)
-        table = pa.table(arrays, schema=RESULT_SCHEMA)
-        self._writer.write_table(table)
-        return table
+            arrays[f.name] = pa.nulls(n, f.type) if values is None else pa.array(values[start : start + n]).cast(f.type)
+        return pa.table(arrays, schema=RESULT_SCHEMA)
 
     def close(self) -> None:
         self._writer.close()

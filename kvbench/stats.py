@@ -108,34 +108,59 @@ def trace_info(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP)
     n_blocks = pc.list_value_length(hashes).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(hashes)
     unique_blocks = int(pc.count_distinct(flat).as_py()) if len(flat) else 0
-    return _summarize(table, block_size, warmup, infinite_cache_hits(hashes), n_blocks, unique_blocks)
+    people = {"sessions": _distinct(table, "session_id"), "users": _distinct(table, "user_id")}
+    return _summarize(table, block_size, warmup, infinite_cache_hits(hashes), n_blocks, unique_blocks, people)
+
+
+def _distinct(table: pa.Table, name: str) -> int:
+    col = table.column(name)
+    col = col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
+    return int(pc.count_distinct(col).as_py()) if col.null_count < table.num_rows else 0
 
 
 def trace_info_file(path, warmup: float = DEFAULT_WARMUP, tmpdir=None) -> dict:
     """Validate the trace at `path` and return its `trace_info`, in bounded memory: the block ids are read
     row group by row group (`tracescan.scan_trace`; the infinite-cache bound spills to `tmpdir`), and only
     the per-request columns are held (tens of bytes a request). Raises ValidationFailed."""
-    from .traceio import read_trace
+    import polars as pl
+
+    from .traceio import iter_batches
     from .tracescan import scan_trace
 
     scanned = scan_trace(path, tmpdir=tmpdir)
-    ids, _ = read_trace(path, columns=[c for c in ("session_id", "user_id") if c in _file_columns(path)])
-    table = scanned.requests
-    for name in ("session_id", "user_id"):
-        table = table.append_column(name, ids.column(name) if name in ids.column_names else pa.nulls(len(table)))
+    # distinct sessions and users by 64-bit hash, chunk by chunk: the ids themselves are not kept
+    present = [c for c in ("session_id", "user_id") if c in read_meta_columns(path)]
+    hashed = {c: [] for c in present}
+    for batch in iter_batches(path, columns=present):
+        for c in present:
+            ids = pl.from_arrow(batch.column(c)).drop_nulls()
+            hashed[c].append(np.unique(ids.hash(seed=0).to_numpy()))
+    counts = {c: int(np.unique(np.concatenate(hashed[c])).size) if hashed[c] else 0 for c in present}
     return _summarize(
-        table, scanned.meta.block_size, warmup, scanned.infinite_hits, scanned.n_blocks, scanned.unique_blocks
+        scanned.requests,
+        scanned.meta.block_size,
+        warmup,
+        scanned.infinite_hits,
+        scanned.n_blocks,
+        scanned.unique_blocks,
+        {"sessions": counts.get("session_id", 0), "users": counts.get("user_id", 0)},
     )
 
 
-def _file_columns(path) -> list[str]:
+def read_meta_columns(path) -> list[str]:
     from .traceio import _open
 
     return _open(path).schema_arrow.names
 
 
 def _summarize(
-    table: pa.Table, block_size: int, warmup: float, hits: np.ndarray, n_blocks: np.ndarray, unique_blocks: int
+    table: pa.Table,
+    block_size: int,
+    warmup: float,
+    hits: np.ndarray,
+    n_blocks: np.ndarray,
+    unique_blocks: int,
+    people: dict[str, int],
 ) -> dict:
     """The trace info dict from the per-request columns plus the block statistics, however computed."""
     import polars as pl
@@ -164,10 +189,6 @@ def _summarize(
         }
     )
 
-    def distinct(name):
-        col = text_col(name)
-        return int(pc.count_distinct(col).as_py()) if col.null_count < n else 0
-
     return {
         "requests": n,
         "block_size": block_size,
@@ -180,9 +201,8 @@ def _summarize(
         "input_tokens": {"total": int(inp.sum()), **_dist(inp)},
         "output_tokens": {"total": int(out.sum()), **_dist(out)},
         "blocks": {"references": int(n_blocks.sum()), "unique": unique_blocks},
-        "sessions": distinct("session_id"),
-        "users": distinct("user_id"),
-        "tenants": distinct("tenant"),
+        **people,
+        "tenants": _distinct(table, "tenant"),
         "infinite_cache_hit_rate": hit_rates(hits, n_blocks, inp, block_size, warmup),
         "by_workload": _breakdown(frame, "workload"),
         "by_tenant": _breakdown(frame, "tenant"),

@@ -158,6 +158,6 @@ def scan_trace(path: str | Path, tmpdir=None, chunk_rows: int = ROW_GROUP_SIZE) 
         if not report.ok:
             raise ValidationFailed(report)
         hits, unique = stream.finish()
-    requests = pa.concat_tables(kept).combine_chunks()
+    requests = pa.concat_tables(kept)  # chunked: combining would copy every column at once
     n_blocks = np.concatenate(lengths)
     return ScannedTrace(path, meta, requests, n_blocks, hits, unique, fingerprint.hexdigest(), chunk_refs, chunk_rows)
