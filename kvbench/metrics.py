@@ -58,6 +58,8 @@ def _groups(labels: pa.ChunkedArray, input_tokens: np.ndarray, hit_tokens: np.nd
 
 def _by_modality(trace: pa.Table, hit_tokens: np.ndarray, input_tokens: np.ndarray) -> list[dict]:
     """Hit rate of the tokens inside image/video/audio spans, by modality, and of the remaining text."""
+    if "mm_items" not in trace.column_names:
+        return []
     mm = trace.column("mm_items")
     if mm.null_count == trace.num_rows:
         return []
@@ -103,12 +105,15 @@ def point_metrics(
     evictions: np.ndarray | None = None,
     evict_matrix: np.ndarray | None = None,
     tenant_names: list[str] | None = None,
+    hit_tokens: np.ndarray | None = None,
 ) -> dict:
     """Everything summary.json reports for one point; keys are documented in the README. `trace` needs its
     per-request columns only (not block_hashes): `n_blocks` gives each request's block count."""
     input_tokens = trace.column("input_tokens").to_numpy().astype(np.int64)
     hit_blocks = np.asarray(hit_blocks, dtype=np.int64)
-    hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
+    if hit_tokens is None:  # (a live server reports tokens, at its own block size)
+        hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
+    hit_tokens = np.minimum(np.asarray(hit_tokens, dtype=np.int64), input_tokens)
     steady_from = int(trace.num_rows * warmup)
 
     by_tenant = _groups(trace.column("tenant"), input_tokens, hit_tokens, steady_from)
@@ -121,7 +126,7 @@ def point_metrics(
     if evict_matrix is not None:
         fairness["evictor_victim"] = {"tenants": tenant_names, "matrix": np.asarray(evict_matrix).tolist()}
     return {
-        "hit_rate": hit_rates(hit_blocks, n_blocks, input_tokens, block_size, warmup),
+        "hit_rate": hit_rates(hit_blocks, n_blocks, input_tokens, block_size, warmup, hit_tokens),
         "hit_tokens": int(hit_tokens.sum()),
         "input_tokens": int(input_tokens.sum()),
         "evictions": int(np.sum(evictions)) if evictions is not None else None,

@@ -30,8 +30,8 @@ def _token_run(seed: np.uint64, n: int, vocab: int) -> np.ndarray:
 
 def prompt_tokens(
     block_hashes: np.ndarray, input_tokens: int, block_size: int, vocab: int, mm_items: list[dict] | None = None
-) -> list[int]:
-    """Token ids of one request's prompt: `input_tokens` ids in [RESERVED_TOKENS, vocab)."""
+) -> np.ndarray:
+    """Token ids (int64) of one request's prompt: `input_tokens` ids in [RESERVED_TOKENS, vocab)."""
     n = len(block_hashes)
     ids = np.asarray(block_hashes, dtype=np.uint64)
     # block j, token i -> mix(id_j, i): one vectorised draw for the whole prompt
@@ -45,13 +45,13 @@ def prompt_tokens(
         hi = min(input_tokens, lo + int(item["tokens"]))
         if hi > lo:
             tokens[lo:hi] = _token_run(np.uint64(item["hash"]), hi - lo, vocab)
-    return tokens.tolist()
+    return tokens
 
 
-def words(tokens: list[int]) -> str:
+def words(tokens) -> str:
     """The prompt as text for engines whose tokenizer has one token per word `w<id>` (kvbench's tiny model);
     with any other tokenizer the token count will differ, so use token-id prompts there."""
-    return " ".join(f"w{t}" for t in tokens)
+    return " ".join(f"w{t}" for t in np.asarray(tokens).tolist())
 
 
 def rebase_blocks(table: pa.Table, block_size: int, engine_block_size: int) -> pa.ListArray:

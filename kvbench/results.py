@@ -3,6 +3,7 @@ it measured. One schema for every backend; a backend leaves the columns it does 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
@@ -30,7 +31,10 @@ RESULT_SCHEMA = pa.schema(
         pa.field("tpot_s", pa.float64()),
         pa.field("e2el_s", pa.float64()),
         pa.field("itl_s", pa.list_(pa.float32())),
+        pa.field("ttfo_s", pa.float64()),  # time to first visible (non-reasoning) output
         pa.field("cached_tokens", pa.int32()),  # as reported by the server
+        pa.field("server_prompt_tokens", pa.int32()),  # prompt tokens as the server counted them
+        pa.field("warmup", pa.bool_()),  # sent during warm-up: left out of latency metrics
         pa.field("status", pa.string()),
         pa.field("error", pa.string()),
     ]
@@ -42,6 +46,7 @@ def _text(col: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 WRITE_ROWS = 1 << 20
+TRACE_COLUMNS = ["request_id", "tenant", "workload", "input_tokens", "output_tokens"]  # copied into results
 
 
 class ResultWriter:
@@ -51,10 +56,14 @@ class ResultWriter:
         self.path = path
         self._writer = pq.ParquetWriter(path, RESULT_SCHEMA, compression="zstd")
 
-    def write(self, trace: pa.Table, point: PointResult) -> None:
-        # slice by slice: the result rows of a 10M-request trace would otherwise be built whole in memory
-        for start in range(0, trace.num_rows, WRITE_ROWS):
-            self._writer.write_table(self._rows(trace.slice(start, WRITE_ROWS), point, start))
+    def write(self, trace: pa.Table | Iterable[pa.RecordBatch], point: PointResult) -> None:
+        """Append `point`'s rows. `trace` gives TRACE_COLUMNS: a table, or its batches in row order (a
+        streamed trace); either way rows are built slice by slice, never all at once."""
+        batches = trace.to_batches(max_chunksize=WRITE_ROWS) if isinstance(trace, pa.Table) else trace
+        start = 0
+        for batch in batches:
+            self._writer.write_table(self._rows(pa.Table.from_batches([batch]), point, start))
+            start += batch.num_rows
 
     def _rows(self, trace: pa.Table, point: PointResult, start: int) -> pa.Table:
         n = trace.num_rows

@@ -13,9 +13,10 @@ import numpy as np
 
 from . import __version__
 from .errors import KvbenchError
+from .live import is_online, run_live
 from .metrics import point_metrics
 from .plugins import load_backend
-from .results import ResultWriter
+from .results import TRACE_COLUMNS, ResultWriter
 from .stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
 from .tracescan import STREAM_BLOCK_REFS, block_references, scan_trace, trace_fingerprint
 from .validate import read_valid_trace
@@ -69,7 +70,10 @@ def run_replay(
     except KeyError as exc:
         raise KvbenchError(exc.args[0]) from None
     backend = backend_cls(**backend_options)
-    requests, n_blocks, infinite_hits, fingerprint, meta, table, scanned = _open_trace(trace_path, stream)
+    online = is_online(backend)
+    requests, n_blocks, infinite_hits, fingerprint, meta, table, scanned = _open_trace(
+        trace_path, False if online else stream
+    )
     if scanned is not None and not hasattr(backend, "replay_stream"):
         raise KvbenchError(
             f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
@@ -100,12 +104,22 @@ def run_replay(
         "curves": [],
         "complete": False,
     }
+    _write_summary(run_dir, summary)
+    if online:
+        try:
+            run_live(backend, table, meta, run_dir, summary, warmup, progress)
+            summary["complete"] = True
+        except KeyboardInterrupt:
+            summary["interrupted"] = True
+        finally:
+            _finish(run_dir, summary, report)
+        return run_dir, summary
     writer = ResultWriter(run_dir / "requests.parquet")
     try:
         points = backend.replay(table, meta) if scanned is None else backend.replay_stream(scanned)
         for point in points:
             if "hit_blocks" in point.columns:
-                writer.write(requests, point)
+                writer.write(requests if scanned is None else scanned.chunks(TRACE_COLUMNS, blocks=False), point)
                 metrics = point_metrics(
                     requests,
                     n_blocks,
@@ -127,16 +141,21 @@ def run_replay(
         summary["interrupted"] = True
     finally:
         writer.close()
-        if len(summary["points"]) == 1:  # a single point's metrics are also the run's top-level keys
-            only = summary["points"][0]
-            for key in ("hit_rate", "evictions", "fairness", "by_tenant", "by_workload", "by_modality"):
-                summary[key] = only[key]
-        _write_summary(run_dir, summary)
-        if report:
-            from .report import write_reports
-
-            write_reports(run_dir, summary)
+        _finish(run_dir, summary, report)
     return run_dir, summary
+
+
+def _finish(run_dir: Path, summary: dict, report: bool) -> None:
+    if len(summary["points"]) == 1:  # a single point's metrics are also the run's top-level keys
+        only = summary["points"][0]
+        for key in ("hit_rate", "evictions", "fairness", "by_tenant", "by_workload", "by_modality", "latency"):
+            if key in only:
+                summary[key] = only[key]
+    _write_summary(run_dir, summary)
+    if report:
+        from .report import write_reports
+
+        write_reports(run_dir, summary)
 
 
 def _write_summary(run_dir: Path, summary: dict) -> None:

@@ -48,9 +48,12 @@ def hit_rates(
     input_tokens: np.ndarray,
     block_size: int,
     warmup: float = DEFAULT_WARMUP,
+    hit_tokens: np.ndarray | None = None,
 ) -> dict:
-    """Token and block hit rates over all requests and over the steady state (after the warm-up share)."""
-    hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
+    """Token and block hit rates over all requests and over the steady state (after the warm-up share).
+    `hit_tokens` defaults to whole hit blocks, capped by the prompt."""
+    if hit_tokens is None:
+        hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
     start = int(len(input_tokens) * warmup)
 
     def ratio(num, den):

@@ -109,17 +109,29 @@ class ScannedTrace:
     chunk_refs: int  # most block references in one chunk of `chunks()`
     chunk_rows: int = ROW_GROUP_SIZE
 
-    def chunks(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
-        """block_hashes (and the other `columns` the trace has) in row order, chunk by chunk."""
+    def chunks(self, columns: list[str], blocks: bool = True) -> Iterator[pa.RecordBatch]:
+        """block_hashes (unless `blocks` is False) and the other `columns` the trace has, in row order, chunk
+        by chunk."""
         names = set(_open(self.path).schema_arrow.names)
-        wanted = ["block_hashes"] + [c for c in columns if c in names]
+        wanted = (["block_hashes"] if blocks else []) + [c for c in columns if c in names]
         for batch in iter_batches(self.path, columns=wanted, batch_size=self.chunk_rows):
-            col = batch.column("block_hashes")
-            if not col.type.equals(_BLOCKS_TYPE):  # validated castable
+            col = batch.column("block_hashes") if blocks else None
+            if col is not None and not col.type.equals(_BLOCKS_TYPE):  # validated castable
                 batch = batch.set_column(
                     batch.schema.get_field_index("block_hashes"), "block_hashes", col.cast(_BLOCKS_TYPE)
                 )
             yield batch
+
+
+def _rows_of(path, column: str, rows: np.ndarray) -> list:
+    """Values of `column` at `rows` (sorted), read chunk by chunk."""
+    out, start = [], 0
+    for batch in iter_batches(path, columns=[column]):
+        stop = start + batch.num_rows
+        local = rows[(rows >= start) & (rows < stop)] - start
+        out.extend(batch.column(0).take(pa.array(local)).to_pylist())
+        start = stop
+    return out
 
 
 def scan_trace(path: str | Path, tmpdir=None, chunk_rows: int = ROW_GROUP_SIZE) -> ScannedTrace:
@@ -151,13 +163,15 @@ def scan_trace(path: str | Path, tmpdir=None, chunk_rows: int = ROW_GROUP_SIZE) 
                 refs.append(References.of(typed, start))
                 if report.ok:  # (an invalid trace is reported, never replayed: stop collecting for it)
                     stream.add(hashes.fill_null(pa.scalar([], _BLOCKS_TYPE)).combine_chunks())
-                    kept.append(typed.select(list(KEPT_COLUMNS)))
+                    kept.append(typed.select(list(KEPT_COLUMNS)).combine_chunks())
             start += batch.num_rows
         if len(refs) == -(-rows // chunk_rows):  # every chunk could be read as the schema's types
-            check_across_rows(References.concat(refs), report)
+            check_across_rows(References.concat(refs), report, lambda r: _rows_of(path, "request_id", r))
         if not report.ok:
             raise ValidationFailed(report)
         hits, unique = stream.finish()
     requests = pa.concat_tables(kept)  # chunked: combining would copy every column at once
+    if requests.column("mm_items").null_count == requests.num_rows:  # 8 bytes a row of nothing
+        requests = requests.drop_columns(["mm_items"])
     n_blocks = np.concatenate(lengths)
     return ScannedTrace(path, meta, requests, n_blocks, hits, unique, fingerprint.hexdigest(), chunk_refs, chunk_rows)

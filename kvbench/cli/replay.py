@@ -84,10 +84,26 @@ def replay(trace_path, backend, out, warmup, as_json, report, stream, **backend_
 
     if backend not in backend_names():
         raise KvbenchError(f"unknown backend {backend!r}; installed: {', '.join(backend_names())}")
-    with console.status("replaying") as status:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        def progress(point):
-            status.update(f"replaying: finished {point.name}")
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("replaying", total=None)
+        failed = 0
+
+        def progress(item):
+            nonlocal failed
+            if hasattr(item, "status"):  # a live request finished
+                failed += item.status != "ok"
+                bar.update(task, advance=1, description=f"replaying: {failed} failed")
+            else:  # an offline configuration point finished
+                bar.update(task, advance=1, description=f"replaying: finished {item.name}")
 
         run_dir, summary = run_replay(
             trace_path,

@@ -1,0 +1,198 @@
+"""`openai`: live replay against an OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM, llama.cpp, …).
+
+Prompts are synthesised from the trace's block ids (`kvbench.prompts`): token-id prompts on /v1/completions
+by default (block-exact prefixes on any model), or text made of one-token words on /v1/chat/completions for
+engines serving kvbench's tiny word-level model. `max_tokens` = output_tokens with `ignore_eos`, the trace's
+`cache_salt` goes in the request body (vLLM's extension), and `model` is the request's LoRA adapter when it
+has one. The API key is read from an environment variable and never written anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import click
+import numpy as np
+import pyarrow as pa
+
+from kvbench.errors import KvbenchError
+from kvbench.latency import parse_slo
+from kvbench.pacing import Outcome, Pacing
+from kvbench.prompts import prompt_tokens, words
+from kvbench.traceio import TraceMeta
+
+DEFAULT_VOCAB = 4096
+
+
+class OpenAIBackend:
+    name = "openai"
+
+    @classmethod
+    def cli_options(cls) -> list[click.Option]:
+        return [
+            click.Option(
+                ["--url"],
+                envvar="KVBENCH_URL",
+                help="server base URL, e.g. http://127.0.0.1:8011 "
+                "(env KVBENCH_URL; `kvbench engine status` shows local engines)",
+            ),
+            click.Option(
+                ["--model"],
+                help="model name to request [default: the first of GET /v1/models]; a "
+                "request with a LoRA adapter asks for the adapter instead",
+            ),
+            click.Option(
+                ["--endpoint"],
+                type=click.Choice(["completions", "chat"]),
+                default="completions",
+                show_default=True,
+                help="completions: token-id prompts (exact on any model); chat: "
+                "text of one-token words (exact only with kvbench's tiny word-level model)",
+            ),
+            click.Option(
+                ["--api-key-env"],
+                default="OPENAI_API_KEY",
+                show_default=True,
+                help="environment variable that holds the API key (never stored in results)",
+            ),
+            click.Option(
+                ["--timeout", "timeout_s"],
+                type=click.FloatRange(min=0, min_open=True),
+                default=600.0,
+                show_default=True,
+                help="seconds a request may take in all before it counts as a timeout",
+            ),
+            click.Option(
+                ["--vocab"],
+                type=click.IntRange(min=64),
+                default=DEFAULT_VOCAB,
+                show_default=True,
+                help="synthesised token ids are below this (at most the model's vocabulary size)",
+            ),
+            click.Option(
+                ["--send-salt/--no-send-salt"],
+                default=True,
+                show_default=True,
+                help="send the trace's cache_salt in the request body (vLLM's cache isolation)",
+            ),
+            click.Option(["--slo"], help="goodput targets in milliseconds, e.g. ttft=500,tpot=50,e2el=20000"),
+            click.Option(
+                ["--engine-block-size"],
+                type=click.IntRange(min=1),
+                help="the server's KV block size in tokens, recorded so that `kvbench compare` can "
+                "re-cut the trace for a simulator prediction [default: from `kvbench engine` state]",
+            ),
+            *Pacing.cli_options(),
+        ]
+
+    def __init__(
+        self,
+        url=None,
+        model=None,
+        endpoint="completions",
+        api_key_env="OPENAI_API_KEY",
+        timeout_s=600.0,
+        vocab=DEFAULT_VOCAB,
+        send_salt=True,
+        slo=None,
+        engine_block_size=None,
+        **pacing,
+    ):
+        if not url:
+            raise KvbenchError("give the server with --url http://HOST:PORT (or start one: kvbench engine up vllm-cpu)")
+        self.url, self.model, self.endpoint = url.rstrip("/"), model, endpoint
+        self.api_key_env, self.timeout_s, self.vocab, self.send_salt = api_key_env, timeout_s, vocab, send_salt
+        self.slo = parse_slo(slo)
+        self.engine_block_size = engine_block_size
+        self.pacing = Pacing(**{k: v for k, v in pacing.items() if v is not None})
+        self.server: dict = {}
+
+    def config(self) -> dict:
+        return {
+            "url": self.url,
+            "model": self.model,
+            "endpoint": self.endpoint,
+            "api_key_env": self.api_key_env,  # the variable's name only, never its value
+            "timeout_s": self.timeout_s,
+            "vocab": self.vocab,
+            "send_salt": self.send_salt,
+            "slo": self.slo,
+            "engine_block_size": self.engine_block_size,
+            "pacing": vars(self.pacing),
+        }
+
+    @contextlib.asynccontextmanager
+    async def connect(self, trace: pa.Table, meta: TraceMeta, origin: float):
+        """Open the client for a run: resolve the model, read the server's counters before the run."""
+        from kvbench.servercounters import scrape
+
+        from .client import OpenAIClient
+
+        self._prepare(trace, meta)
+        key = os.environ.get(self.api_key_env) or None
+        async with OpenAIClient(
+            self.url, endpoint=self.endpoint, timeout_s=self.timeout_s, api_key=key, origin=origin
+        ) as client:
+            self._client = client
+            if not self.model:
+                self.model = await self._first_model(client)
+            self.server["counters_before"] = await scrape(client.session, self.url)
+            try:
+                yield self
+            finally:
+                self.server["counters_after"] = await scrape(client.session, self.url)
+
+    async def _first_model(self, client) -> str:
+        try:
+            async with client.session.get(self.url + "/v1/models") as resp:
+                data = await resp.json()
+            return data["data"][0]["id"]
+        except Exception as exc:  # noqa: BLE001 - any failure here means the server is not usable
+            raise KvbenchError(
+                f"cannot list models at {self.url}/v1/models ({type(exc).__name__}: {exc}); is the server up? "
+                "Give --model NAME if it has no /v1/models"
+            ) from None
+
+    def _prepare(self, trace: pa.Table, meta: TraceMeta) -> None:
+        self._hashes = trace.column("block_hashes").combine_chunks()
+        self._offsets = np.asarray(self._hashes.offsets)
+        self._flat = np.asarray(self._hashes.flatten())
+        self._inp = trace.column("input_tokens").to_numpy()
+        self._out = trace.column("output_tokens").to_numpy()
+        self._bs = meta.block_size
+
+        def col(name):
+            if name not in trace.column_names:
+                return [None] * trace.num_rows
+            c = trace.column(name)
+            return (c.cast(pa.string()) if pa.types.is_dictionary(c.type) else c).to_pylist()
+
+        self._salt, self._lora, self._mm = col("cache_salt"), col("lora"), col("mm_items")
+
+    def payload(self, row: int) -> bytes:
+        """The request body of trace row `row`, JSON-encoded (orjson: the prompt is thousands of ids)."""
+        import orjson
+
+        lo, hi = self._offsets[row] - self._offsets[0], self._offsets[row + 1] - self._offsets[0]
+        tokens = prompt_tokens(self._flat[lo:hi], int(self._inp[row]), self._bs, self.vocab, self._mm[row])
+        body = {
+            "model": self._lora[row] or self.model,
+            "max_tokens": max(int(self._out[row]), 1),
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.endpoint == "completions":
+            body["prompt"] = tokens
+        else:
+            body["messages"] = [{"role": "user", "content": words(tokens)}]
+        if self.send_salt and self._salt[row]:
+            body["cache_salt"] = self._salt[row]
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    async def send(self, o: Outcome) -> None:
+        await self._client.send(self.payload(o.row), o)
+
+    def extra(self) -> dict:
+        return {"server": self.server, "model": self.model}

@@ -1,0 +1,156 @@
+"""A fake OpenAI-compatible streaming server (aiohttp): answers instantly (or with a set inter-token delay),
+keeps vLLM-style prefix counters, and injects faults on request. Two uses: measuring a load generator's own
+overhead (a server that costs nothing), and testing that a live run survives every fault.
+
+    python -m kvbench.fakeserver --port 8100 [--itl-ms 0] [--block-size 16] [--fault 5:http500 …]
+
+Prefix caching is modelled as an unbounded cache of `block_size`-token blocks with vLLM's cap (the last prompt
+token is always computed), so `cached_tokens` and the `/metrics` counters behave like a real engine's.
+Faults (`--fault N:KIND`: the N-th request received, counting from 0, or `every=K:KIND`): http500, http429,
+http400, timeout (never answers), cut (drops the stream half-way), malformed (a line of invalid JSON), error
+(an error object inside the stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Callable
+
+from aiohttp import web
+
+FAULTS = ("http500", "http429", "http400", "timeout", "cut", "malformed", "error")
+
+
+class FakeServer:
+    def __init__(self, block_size: int = 16, itl_s: float = 0.0, fault: Callable[[int], str | None] | None = None):
+        self.block_size, self.itl_s, self.fault = block_size, itl_s, fault or (lambda n: None)
+        self.cache: set[int] = set()
+        self.received = 0
+        self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "queries": 0, "hits": 0, "requests": 0}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        app.router.add_post("/reset_prefix_cache", self.reset)
+        return app
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def reset(self, request):
+        self.cache.clear()
+        return web.Response(text="ok")
+
+    async def metrics(self, request):
+        c = self.counters
+        lines = [
+            f'vllm:prompt_tokens_total{{model_name="fake"}} {c["prompt_tokens"]}',
+            f'vllm:prompt_tokens_cached_total{{model_name="fake"}} {c["cached_tokens"]}',
+            f'vllm:prefix_cache_queries_total{{model_name="fake"}} {c["queries"]}',
+            f'vllm:prefix_cache_hits_total{{model_name="fake"}} {c["hits"]}',
+            f'vllm:request_success_total{{model_name="fake"}} {c["requests"]}',
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    def _cached(self, tokens: list) -> int:
+        bs = self.block_size
+        chain, keys = 0, []
+        for b in range(len(tokens) // bs):  # a block's key covers its tokens and every block before it
+            chain = hash((chain, tuple(tokens[b * bs : (b + 1) * bs])))
+            keys.append(chain)
+        hit = 0
+        for b in range((len(tokens) - 1) // bs):  # vLLM: at least the last prompt token is computed
+            if keys[b] not in self.cache:
+                break
+            hit = (b + 1) * bs
+        self.cache.update(keys)
+        return hit
+
+    async def complete(self, request: web.Request):
+        n = self.received
+        self.received += 1
+        fault = self.fault(n)
+        if fault in ("http500", "http429", "http400"):
+            return web.json_response({"error": {"message": f"injected {fault}"}}, status=int(fault[4:]))
+        body = await request.json()
+        chat = "messages" in body
+        prompt = body["messages"][-1]["content"].split() if chat else body["prompt"]
+        if isinstance(prompt, str):
+            prompt = prompt.split()
+        cached = self._cached(list(prompt))
+        out = int(body.get("max_tokens") or 16)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if fault == "timeout":
+            await asyncio.sleep(3600)
+        for i in range(out):
+            if fault == "cut" and i == out // 2:
+                request.transport.close()  # the connection drops mid-stream
+                return resp
+            if fault == "malformed" and i == out // 2:
+                await resp.write(b"data: {not json\n\n")
+            if fault == "error" and i == out // 2:
+                await resp.write(b'data: {"error": {"message": "injected error", "code": 500}}\n\n')
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+            await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            if self.itl_s:
+                await asyncio.sleep(self.itl_s)
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": out,
+            "total_tokens": len(prompt) + out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        c = self.counters
+        c["prompt_tokens"] += len(prompt)
+        c["cached_tokens"] += cached
+        c["queries"] += len(prompt)
+        c["hits"] += cached
+        c["requests"] += 1
+        return resp
+
+
+def fault_plan(specs: list[str]) -> Callable[[int], str | None]:
+    """'5:cut' (request 5) or 'every=3:http500' (requests 0, 3, 6, …) -> a function of the request number."""
+    exact, every = {}, []
+    for spec in specs:
+        where, _, kind = spec.partition(":")
+        if kind not in FAULTS:
+            raise SystemExit(f"--fault {spec!r}: kind must be one of {', '.join(FAULTS)}")
+        if where.startswith("every="):
+            every.append((int(where[6:]), kind))
+        else:
+            exact[int(where)] = kind
+    return lambda n: exact.get(n) or next((k for step, k in every if n % step == 0), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--itl-ms", type=float, default=0.0, help="delay between streamed tokens, milliseconds")
+    ap.add_argument("--block-size", type=int, default=16, help="prefix-cache block size, tokens")
+    ap.add_argument("--fault", action="append", default=[], help="N:KIND or every=K:KIND; KIND in " + ", ".join(FAULTS))
+    args = ap.parse_args()
+    server = FakeServer(args.block_size, args.itl_ms / 1000.0, fault_plan(args.fault))
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()
