@@ -36,9 +36,12 @@ class FakeServer:
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        app.router.add_get("/health", self.health)
         app.router.add_post("/reset_prefix_cache", self.reset)
         return app
+
+    async def health(self, request):
+        return web.Response(text="ok")
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})

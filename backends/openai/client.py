@@ -56,6 +56,11 @@ class OpenAIClient:
             raise
         except StreamError as exc:
             o.status, o.error = "error", str(exc)
+        except aiohttp.ClientPayloadError as exc:
+            o.status = "error"
+            o.error = f"stream ended before [DONE] after {len(o.chunk_s)} chunks: connection dropped ({exc})"[
+                :ERROR_TEXT
+            ]
         except aiohttp.ClientError as exc:
             o.status, o.error = "error", f"{type(exc).__name__}: {exc}"[:ERROR_TEXT]
 

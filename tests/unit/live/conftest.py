@@ -1,0 +1,59 @@
+"""A fake OpenAI-compatible server in a background thread (the replay under test runs its own event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+from aiohttp import web
+
+from kvbench.fakeserver import FakeServer, fault_plan
+
+
+class RunningServer:
+    def __init__(self, server: FakeServer):
+        self.server = server
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _serve(self):
+        asyncio.set_event_loop(self._loop)
+        runner = web.AppRunner(self.server.app(), access_log=None)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self):
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+@pytest.fixture
+def fake_server():
+    """Factory: fake_server(faults=["3:cut"], itl_ms=0, block_size=16) -> RunningServer."""
+    started = []
+
+    def start(faults=(), itl_ms=0.0, block_size=16):
+        srv = RunningServer(FakeServer(block_size, itl_ms / 1000.0, fault_plan(list(faults))))
+        started.append(srv)
+        return srv
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

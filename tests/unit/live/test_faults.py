@@ -1,0 +1,93 @@
+"""A live run survives every server fault, records it per request, and loses no request (fake server)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from kvbench.runner import run_replay
+
+from ...conftest import REPO
+from .conftest import free_port
+
+CHAT = REPO / "traces/samples/chat.parquet"
+N = 40
+
+
+def replay(url, out, **options):
+    opts = {"url": url, "mode": "rate", "rate": 400.0, "max_requests": N, "timeout_s": 3.0, **options}
+    return run_replay(CHAT, "openai", opts, out=out, report=False)
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "error"),
+    [
+        ("http500", "error", "HTTP 500"),
+        ("http429", "error", "HTTP 429"),
+        ("http400", "error", "HTTP 400"),
+        ("timeout", "timeout", "no complete answer within 3 s"),
+        ("cut", "error", "stream ended before [DONE]"),
+        ("malformed", "error", "malformed SSE data"),
+        ("error", "error", "server error in stream"),
+    ],
+)
+def test_each_fault_is_recorded_and_the_run_goes_on(fake_server, tmp_path, fault, status, error):
+    srv = fake_server(faults=[f"every=5:{fault}"])
+    run_dir, summary = replay(srv.url, tmp_path / "run")
+    rows = pq.read_table(run_dir / "requests.parquet")
+    assert rows.num_rows == N  # no request lost
+    assert sorted(rows.column("request_id").to_pylist()) == sorted(
+        pq.read_table(CHAT, columns=["request_id"]).column(0).to_pylist()[:N]
+    )
+    bad = rows.filter(pc.not_equal(rows.column("status"), "ok"))
+    assert bad.num_rows == N // 5  # requests 0, 5, 10, … as received
+    assert set(bad.column("status").to_pylist()) == {status}
+    assert all(error in e for e in bad.column("error").to_pylist())
+    ok = rows.filter(pc.equal(rows.column("status"), "ok"))
+    assert ok.num_rows == N - N // 5 and pc.min(ok.column("ttft_s")).as_py() > 0
+    lat = summary["points"][0]["latency"]
+    assert lat["requests"]["failed"] == N // 5 and lat["requests"]["ok"] == N - N // 5
+    assert lat["ttft"]["count"] == N - N // 5  # failed requests left out of latency metrics
+    assert summary["complete"]
+
+
+def test_connection_refused_is_recorded_for_every_request(tmp_path):
+    run_dir, summary = replay(f"http://127.0.0.1:{free_port()}", tmp_path / "run", model="m")
+    rows = pq.read_table(run_dir / "requests.parquet")
+    assert rows.num_rows == N and set(rows.column("status").to_pylist()) == {"error"}
+    assert "ClientConnectorError" in rows.column("error")[0].as_py()
+    assert summary["points"][0]["server_counters"] == {"available": False}
+
+
+def test_interrupted_run_keeps_a_readable_partial_result(fake_server, tmp_path, monkeypatch):
+    """Ctrl-C in the middle: requests.parquet and summary.json are complete files with every request."""
+    import kvbench.live as live
+
+    srv = fake_server(itl_ms=2)
+    done = []
+    real = live.run_live
+
+    def progress(outcome):
+        done.append(outcome)
+        if len(done) == 10:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(live, "FLUSH_EVERY", 4)
+    run_dir, summary = run_replay(
+        CHAT,
+        "openai",
+        {"url": srv.url, "mode": "rate", "rate": 50.0, "max_requests": N},
+        out=tmp_path / "r",
+        report=False,
+        progress=progress,
+    )
+    assert real is live.run_live
+    assert summary["interrupted"] and not summary["complete"]
+    rows = pq.read_table(run_dir / "requests.parquet")
+    assert rows.num_rows == N
+    statuses = rows.column("status").to_pylist()
+    assert statuses.count("ok") >= 9 and set(statuses) <= {"ok", "cancelled", "not_sent"}
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"]
