@@ -39,8 +39,10 @@ def main() -> None:
     """
 
 
-from .replay import replay  # noqa: E402  (attach subcommands after `main` exists)
+from .engine import engine  # noqa: E402  (attach subcommands after `main` exists)
+from .replay import replay  # noqa: E402
 from .trace import trace  # noqa: E402
 
 main.add_command(trace)
 main.add_command(replay)
+main.add_command(engine)
