@@ -24,8 +24,15 @@ FAULTS = ("http500", "http429", "http400", "timeout", "cut", "malformed", "error
 
 
 class FakeServer:
-    def __init__(self, block_size: int = 16, itl_s: float = 0.0, fault: Callable[[int], str | None] | None = None):
+    def __init__(
+        self,
+        block_size: int = 16,
+        itl_s: float = 0.0,
+        fault: Callable[[int], str | None] | None = None,
+        ignore_salt: bool = False,
+    ):
         self.block_size, self.itl_s, self.fault = block_size, itl_s, fault or (lambda n: None)
+        self.ignore_salt = ignore_salt  # behave like llama.cpp, which shares its cache whatever the salt
         self.cache: set[int] = set()
         self.received = 0
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "queries": 0, "hits": 0, "requests": 0}
@@ -61,9 +68,9 @@ class FakeServer:
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
-    def _cached(self, tokens: list) -> int:
+    def _cached(self, tokens: list, salt: str | None = None) -> int:
         bs = self.block_size
-        chain, keys = 0, []
+        chain, keys = (0 if self.ignore_salt else hash(salt)), []  # vLLM folds the salt into the first block
         for b in range(len(tokens) // bs):  # a block's key covers its tokens and every block before it
             chain = hash((chain, tuple(tokens[b * bs : (b + 1) * bs])))
             keys.append(chain)
@@ -86,8 +93,18 @@ class FakeServer:
         prompt = body["messages"][-1]["content"].split() if chat else body["prompt"]
         if isinstance(prompt, str):
             prompt = prompt.split()
-        cached = self._cached(list(prompt))
+        cached = self._cached(list(prompt), body.get("cache_salt"))
         out = int(body.get("max_tokens") or 16)
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": out,
+            "total_tokens": len(prompt) + out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        self._count(len(prompt), cached)
+        if not body.get("stream"):
+            text = {"message": {"role": "assistant", "content": "x" * out}} if chat else {"text": "x" * out}
+            return web.json_response({"choices": [{"index": 0, **text}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if fault == "timeout":
@@ -106,21 +123,17 @@ class FakeServer:
             await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
             if self.itl_s:
                 await asyncio.sleep(self.itl_s)
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": out,
-            "total_tokens": len(prompt) + out,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
         await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def _count(self, prompt: int, cached: int) -> None:
         c = self.counters
-        c["prompt_tokens"] += len(prompt)
+        c["prompt_tokens"] += prompt
         c["cached_tokens"] += cached
-        c["queries"] += len(prompt)
+        c["queries"] += prompt
         c["hits"] += cached
         c["requests"] += 1
-        return resp
 
 
 def fault_plan(specs: list[str]) -> Callable[[int], str | None]:
@@ -143,9 +156,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--itl-ms", type=float, default=0.0, help="delay between streamed tokens, milliseconds")
     ap.add_argument("--block-size", type=int, default=16, help="prefix-cache block size, tokens")
+    ap.add_argument("--ignore-salt", action="store_true", help="share the cache across cache_salt (like llama.cpp)")
     ap.add_argument("--fault", action="append", default=[], help="N:KIND or every=K:KIND; KIND in " + ", ".join(FAULTS))
     args = ap.parse_args()
-    server = FakeServer(args.block_size, args.itl_ms / 1000.0, fault_plan(args.fault))
+    server = FakeServer(args.block_size, args.itl_ms / 1000.0, fault_plan(args.fault), args.ignore_salt)
     try:
         import uvloop
 
