@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from .. import generators, importers
+from ..errors import KvbenchError
 from ..export import EXPORTERS
 from ..stats import DEFAULT_WARMUP, trace_info_file
 from ..traceio import read_meta, read_trace, write_trace
@@ -160,6 +161,33 @@ def export(trace_path, fmt, out, renumber):
     out = Path(out or Path(trace_path).with_suffix(".jsonl"))
     EXPORTERS[fmt](table, meta, out, renumber=renumber)
     click.echo(f"wrote {out} ({table.num_rows:,} requests, {fmt}, block size {meta.block_size})")
+
+
+@trace.command()
+@click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    required=True,
+    help="new block size in tokens; must divide the trace's (e.g. 16 or 32 for a trace of 64)",
+)
+@click.option("-o", "--out", type=click.Path(dir_okay=False), required=True, help="output trace (.parquet)")
+def rebase(trace_path, block_size, out):
+    """Re-cut block ids at an engine's smaller block size, so that the simulator predicts what that engine
+    can hit. Live replays use the original trace: its prompts are the same tokens."""
+    from ..prompts import rebase_blocks
+    from ..traceio import new_meta
+    from ..tracescan import trace_fingerprint
+
+    table, meta = read_valid_trace(trace_path)
+    try:
+        hashes = rebase_blocks(table, meta.block_size, block_size)
+    except ValueError as exc:
+        raise KvbenchError(f"{trace_path}: {exc}") from None
+    source = {**meta.source, "rebased_from": trace_fingerprint(table), "rebased_block_size": block_size}
+    table = table.set_column(table.schema.get_field_index("block_hashes"), "block_hashes", hashes)
+    write_trace(table, out, new_meta(block_size, source))
+    click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {meta.block_size} -> {block_size})")
 
 
 # --- info / validate ---------------------------------------------------------------------------------
