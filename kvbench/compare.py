@@ -97,7 +97,9 @@ def _diff(a, b):
 def _per_request(sim_dir: Path, point: str, live_dir: Path) -> dict:
     try:
         sim = pq.read_table(sim_dir / "requests.parquet", columns=["point", "request_id", "hit_tokens"])
-        live = pq.read_table(live_dir / "requests.parquet", columns=["request_id", "cached_tokens", "status"])
+        live = pq.read_table(
+            live_dir / "requests.parquet", columns=["request_id", "cached_tokens", "status", "input_tokens"]
+        )
     except (OSError, ValueError):
         return {}
     sim = sim.filter(pc.equal(sim.column("point"), point))
@@ -105,9 +107,17 @@ def _per_request(sim_dir: Path, point: str, live_dir: Path) -> dict:
     joined = sim.join(live, "request_id", join_type="inner")
     if joined.num_rows == 0:
         return {}
-    pred = joined.column("hit_tokens").to_numpy(zero_copy_only=False)
-    meas = joined.column("cached_tokens").fill_null(-1).to_numpy(zero_copy_only=False)
-    return {"requests compared": joined.num_rows, "requests equal": float(np.mean(pred == meas))}
+    pred = joined.column("hit_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+    meas = joined.column("cached_tokens").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    inp = joined.column("input_tokens").to_numpy(zero_copy_only=False).sum()
+    # hit rates over the requests both runs answered (a live run often covers a prefix of the trace)
+    return {
+        "hit rate predicted": float(pred.sum() / inp),
+        "hit rate measured": float(np.maximum(meas, 0).sum() / inp),
+        "gap": float((np.maximum(meas, 0).sum() - pred.sum()) / inp),
+        "requests compared": joined.num_rows,
+        "requests equal": float(np.mean(pred == meas)),
+    }
 
 
 def render_markdown(table: list[dict]) -> str:

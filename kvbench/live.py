@@ -5,14 +5,17 @@ that a crash or Ctrl-C leaves everything measured so far on disk (DESIGN.md sect
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from .backend import PointResult
+from .errors import KvbenchError
 from .latency import latency_summary, per_request
 from .metrics import point_metrics
 from .pacing import Outcome, dispatch, request_count
@@ -55,14 +58,53 @@ def _write(writer: ResultWriter, table: pa.Table, outcomes: list[Outcome], block
     writer.write(table.take(rows), PointResult(labels={"point": POINT}, columns=_columns(outcomes, block_size)))
 
 
-def run_live(backend, table: pa.Table, meta, run_dir: Path, summary: dict, warmup: float, progress=None) -> None:
+DONE = ("ok", "error", "timeout")  # answered (or given up on): a resumed run does not send these again
+
+
+def _previous(path: Path, table: pa.Table) -> dict[int, Outcome]:
+    """Outcomes of the requests a previous, interrupted run of the same trace answered (for --resume)."""
+    if not path.exists():
+        return {}
+    try:
+        prev = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise KvbenchError(f"{path}: cannot read the previous results to resume ({exc})") from None
+    index = {rid: i for i, rid in enumerate(table.column("request_id").to_pylist())}
+    out = {}
+    for r in prev.to_pylist():
+        row = index.get(r["request_id"])
+        if row is None:
+            raise KvbenchError(f"{path}: request {r['request_id']!r} is not in this trace; resume with the same trace")
+        if r["status"] not in DONE:
+            continue
+        o = Outcome(row=row, scheduled_s=r["scheduled_send_s"], sent_s=r["actual_send_s"], status=r["status"])
+        o.error, o.cached_tokens, o.prompt_tokens = r["error"], r["cached_tokens"], r["server_prompt_tokens"]
+        o.warmup = bool(r["warmup"])
+        if r["status"] == "ok":
+            o.first_chunk_s = o.sent_s + r["ttft_s"]
+            o.first_output_s = o.sent_s + r["ttfo_s"] if r["ttfo_s"] is not None else math.nan
+            o.chunk_s = (o.first_chunk_s + np.concatenate([[0.0], np.cumsum(r["itl_s"] or [])])).tolist()
+            o.last_chunk_s = o.sent_s + r["e2el_s"]
+            o.completion_tokens = len(o.chunk_s)
+        out[row] = o
+    return out
+
+
+def run_live(
+    backend, table: pa.Table, meta, run_dir: Path, summary: dict, warmup: float, progress=None, resume=False
+) -> None:
     """Replay `table` through an online backend; fills `summary` (also when interrupted) and writes
-    requests.parquet. Re-raises KeyboardInterrupt after recording, for the caller to finish the outputs."""
+    requests.parquet. Re-raises KeyboardInterrupt after recording, for the caller to finish the outputs.
+    `resume`: keep what a previous run in `run_dir` answered and send only the rest."""
     n = request_count(table, backend.pacing)
-    outcomes = [Outcome(row=i) for i in range(n)]
+    kept = _previous(run_dir / "requests.parquet", table) if resume else {}
+    outcomes = [kept.get(i) or Outcome(row=i) for i in range(n)]
+    todo = [i for i in range(n) if i not in kept]
     writer = ResultWriter(run_dir / "requests.parquet")
+    if kept:
+        _write(writer, table, [outcomes[i] for i in sorted(kept)], meta.block_size)
     pending: list[Outcome] = []
-    written: set[int] = set()
+    written: set[int] = set(kept)
     last_flush = time.monotonic()
 
     def flush() -> None:
@@ -80,10 +122,16 @@ def run_live(backend, table: pa.Table, meta, run_dir: Path, summary: dict, warmu
         if len(pending) >= FLUSH_EVERY or time.monotonic() - last_flush > FLUSH_SECONDS:
             flush()
 
+    # a resumed run's clock continues after the previous run's last event, so that spans stay meaningful
+    resumed_at = max(
+        (max(o.sent_s, o.last_chunk_s if o.last_chunk_s == o.last_chunk_s else 0) for o in kept.values()), default=0.0
+    )
+
     async def main() -> None:
-        origin = time.perf_counter()
+        origin = time.perf_counter() - resumed_at
         async with backend.connect(table, meta, origin):
-            await dispatch(table, backend.pacing, outcomes, backend.send, on_done, origin)
+            rows = table if not kept else table.take(pa.array(todo, pa.int64()))
+            await dispatch(rows, backend.pacing, [outcomes[i] for i in todo], backend.send, on_done, origin)
 
     interrupted = False
     try:
@@ -99,6 +147,7 @@ def run_live(backend, table: pa.Table, meta, run_dir: Path, summary: dict, warmu
         writer.close()
         summary["points"] = [_point_summary(backend, table, meta, outcomes, warmup)]
         summary["interrupted"] = interrupted
+        summary["resumed_requests"] = len(kept)
     if interrupted:
         raise KeyboardInterrupt
 

@@ -177,6 +177,8 @@ async def dispatch(
     def now() -> float:
         return time.perf_counter() - origin
 
+    t0 = now()  # the schedule starts now (a resumed run's clock goes on from where the previous one stopped)
+
     async def run(i: int) -> None:
         nonlocal sent
         o = outcomes[i]
@@ -212,7 +214,7 @@ async def dispatch(
         for i, p in enumerate(preds):
             for j in p:
                 successors[j].append(i)
-        ready = arrival * pacing.time_scale - (arrival[0] * pacing.time_scale if n else 0.0)
+        ready = t0 + arrival * pacing.time_scale - (arrival[0] * pacing.time_scale if n else 0.0)
         remaining = n
         all_done = asyncio.Event()
 
@@ -240,7 +242,7 @@ async def dispatch(
 
         offsets = open_loop_offsets(arrival, pacing)
         for i in range(n):
-            start(i, float(offsets[i]))
+            start(i, t0 + float(offsets[i]))
         while tasks:
             await asyncio.wait(set(tasks))
 

@@ -76,6 +76,18 @@ class OpenAIBackend:
                 show_default=True,
                 help="send the trace's cache_salt in the request body (vLLM's cache isolation)",
             ),
+            click.Option(
+                ["--max-output-tokens"],
+                type=click.IntRange(min=1),
+                help="cap each request's output tokens (tokens; default: the trace's output_tokens); "
+                "prefix-cache checks need no long decodes",
+            ),
+            click.Option(
+                ["--reset-prefix-cache"],
+                is_flag=True,
+                help="POST /reset_prefix_cache before the run (vLLM with VLLM_SERVER_DEV_MODE=1, SGLang "
+                "/flush_cache), so that earlier traffic cannot hit",
+            ),
             click.Option(["--slo"], help="goodput targets in milliseconds, e.g. ttft=500,tpot=50,e2el=20000"),
             click.Option(
                 ["--engine-block-size"],
@@ -97,6 +109,8 @@ class OpenAIBackend:
         send_salt=True,
         slo=None,
         engine_block_size=None,
+        max_output_tokens=None,
+        reset_prefix_cache=False,
         **pacing,
     ):
         if not url:
@@ -105,6 +119,8 @@ class OpenAIBackend:
         self.api_key_env, self.timeout_s, self.vocab, self.send_salt = api_key_env, timeout_s, vocab, send_salt
         self.slo = parse_slo(slo)
         self.engine_block_size = engine_block_size
+        self.max_output_tokens = max_output_tokens
+        self.reset_prefix_cache = reset_prefix_cache
         self.pacing = Pacing(**{k: v for k, v in pacing.items() if v is not None})
         self.server: dict = {}
 
@@ -119,6 +135,7 @@ class OpenAIBackend:
             "send_salt": self.send_salt,
             "slo": self.slo,
             "engine_block_size": self.engine_block_size,
+            "max_output_tokens": self.max_output_tokens,
             "pacing": vars(self.pacing),
         }
 
@@ -137,11 +154,23 @@ class OpenAIBackend:
             self._client = client
             if not self.model:
                 self.model = await self._first_model(client)
+            if self.reset_prefix_cache:
+                await self._reset(client)
             self.server["counters_before"] = await scrape(client.session, self.url)
             try:
                 yield self
             finally:
                 self.server["counters_after"] = await scrape(client.session, self.url)
+
+    async def _reset(self, client) -> None:
+        for path in ("/reset_prefix_cache", "/flush_cache"):  # vLLM, SGLang
+            async with client.session.post(self.url + path) as resp:
+                if resp.status == 200:
+                    return
+        raise KvbenchError(
+            f"{self.url} has no /reset_prefix_cache or /flush_cache; start vLLM with VLLM_SERVER_DEV_MODE=1, "
+            "or drop --reset-prefix-cache"
+        )
 
     async def _first_model(self, client) -> str:
         try:
@@ -178,7 +207,7 @@ class OpenAIBackend:
         tokens = prompt_tokens(self._flat[lo:hi], int(self._inp[row]), self._bs, self.vocab, self._mm[row])
         body = {
             "model": self._lora[row] or self.model,
-            "max_tokens": max(int(self._out[row]), 1),
+            "max_tokens": max(min(int(self._out[row]), self.max_output_tokens or 1 << 30), 1),
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
