@@ -111,6 +111,7 @@ class OpenAIBackend:
         engine_block_size=None,
         max_output_tokens=None,
         reset_prefix_cache=False,
+        send_lora=True,
         **pacing,
     ):
         if not url:
@@ -121,6 +122,7 @@ class OpenAIBackend:
         self.engine_block_size = engine_block_size
         self.max_output_tokens = max_output_tokens
         self.reset_prefix_cache = reset_prefix_cache
+        self.send_lora = send_lora
         self.pacing = Pacing(**{k: v for k, v in pacing.items() if v is not None})
         self.server: dict = {}
 
@@ -136,6 +138,7 @@ class OpenAIBackend:
             "slo": self.slo,
             "engine_block_size": self.engine_block_size,
             "max_output_tokens": self.max_output_tokens,
+            "send_lora": self.send_lora,
             "pacing": vars(self.pacing),
         }
 
@@ -206,7 +209,7 @@ class OpenAIBackend:
         lo, hi = self._offsets[row] - self._offsets[0], self._offsets[row + 1] - self._offsets[0]
         tokens = prompt_tokens(self._flat[lo:hi], int(self._inp[row]), self._bs, self.vocab, self._mm[row])
         body = {
-            "model": self._lora[row] or self.model,
+            "model": (self._lora[row] if self.send_lora else None) or self.model,
             "max_tokens": max(min(int(self._out[row]), self.max_output_tokens or 1 << 30), 1),
             "ignore_eos": True,
             "stream": True,
