@@ -7,6 +7,12 @@ entry-point group (`kvbench.plugins`), never imported by the core.
 An *offline* backend (the simulators) answers a whole trace at once, in arrival order, for each of its
 configuration points (e.g. policy x capacity), yielding one `PointResult` per point as soon as it is done,
 so the runner can write it before the next one starts.
+
+An offline backend that can replay a trace in bounded memory (`kvbench replay --stream`) also has
+`replay_stream(scanned: tracescan.ScannedTrace) -> Iterator[StreamedPoint]`: one `StreamedPoint` per
+configuration point, which the runner feeds the trace chunk by chunk. The runner reads the chunks and owns
+what is made of the answers (requests.parquet, the summary's metrics), so nothing per request outlives its
+chunk, whatever the length of the trace.
 """
 
 from __future__ import annotations
@@ -34,6 +40,23 @@ class PointResult:
     @property
     def name(self) -> str:
         return "/".join(f"{v}" for v in self.labels.values())
+
+
+class StreamedPoint(Protocol):
+    """One configuration's answers to a streamed trace. The runner calls `answer` with every chunk of the
+    trace in row order, then `finish` once."""
+
+    labels: dict  # as in PointResult
+
+    def answer(self, chunk: pa.RecordBatch) -> dict[str, np.ndarray]:
+        """Per-request arrays for the chunk's rows, named as in `kvbench.results.RESULT_SCHEMA` (hit_blocks
+        at least). `chunk` has block_hashes and the trace's `tracescan.REPLAY_COLUMNS`, cast to the schema."""
+        ...
+
+    def finish(self) -> dict:
+        """The point's facts for the summary, after the last chunk: as `PointResult.extra` (an evict_matrix
+        and its tenant_names become the metrics' fairness.evictor_victim)."""
+        ...
 
 
 class Backend(Protocol):

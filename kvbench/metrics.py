@@ -1,5 +1,9 @@
 """Metrics of one configuration point (DESIGN.md section 7): hit rates overall, per tenant / workload /
-modality, and fairness across tenants. Pure functions of the per-request results and the trace."""
+modality, and fairness across tenants.
+
+Every metric is a ratio of sums over requests, so `MetricSums` takes a point's results chunk by chunk, in row
+order, and keeps only sums (per label, per modality): a streamed replay reports a trace of any length in
+memory that does not grow with it. `point_metrics` is the one-chunk case."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .stats import hit_rates
+NO_LABEL = "(none)"  # the group of requests without a tenant / workload
 
 
 def jain_index(values) -> float | None:
@@ -25,75 +29,181 @@ def max_min_ratio(values) -> float | None:
     return float(x.max() / x.min())
 
 
-def _groups(labels: pa.ChunkedArray, input_tokens: np.ndarray, hit_tokens: np.ndarray, steady_from: int) -> list[dict]:
-    """Hit rate per label (tenant, workload), all requests and steady state, largest input share first."""
-    import polars as pl  # loaded on use: the CLI starts faster without it
+def _ratio(num: int, den: int) -> float:
+    return float(num) / float(den) if den else 0.0
 
-    if pa.types.is_dictionary(labels.type):
-        labels = labels.cast(pa.string())
-    steady = np.arange(input_tokens.size) >= steady_from
-    frame = pl.DataFrame(
-        {
-            "name": pl.Series(labels.fill_null("(none)"), dtype=pl.Utf8),
-            "inp": input_tokens,
-            "hit": hit_tokens,
-            "s_inp": np.where(steady, input_tokens, 0),
-            "s_hit": np.where(steady, hit_tokens, 0),
+
+class HitSums:
+    """Token and block hit rates over all requests and over the steady state (rows from `steady_from` on):
+    the `stats.hit_rates` dict, from sums kept chunk by chunk."""
+
+    def __init__(self, steady_from: int, warmup: float):
+        self.steady_from, self.warmup, self.rows = steady_from, warmup, 0
+        # [all, steady] sums of hit tokens, input tokens, hit blocks, blocks
+        self.sums = np.zeros((2, 4), dtype=object)  # Python ints: exact whatever the trace length
+
+    def add(self, hit_tokens, input_tokens, hit_blocks, n_blocks) -> None:
+        """The next rows' per-request values (int64 arrays of one length)."""
+        cut = min(max(self.steady_from - self.rows, 0), len(input_tokens))
+        for i, values in enumerate((hit_tokens, input_tokens, hit_blocks, n_blocks)):
+            self.sums[0, i] += int(values.sum())
+            self.sums[1, i] += int(values[cut:].sum())
+        self.rows += len(input_tokens)
+
+    def rates(self) -> dict:
+        (ht, it, hb, nb), (s_ht, s_it, s_hb, s_nb) = self.sums.tolist()
+        return {
+            "token": {"all": _ratio(ht, it), "steady": _ratio(s_ht, s_it)},
+            "block": {"all": _ratio(hb, nb), "steady": _ratio(s_hb, s_nb)},
+            "warmup": self.warmup,
         }
-    )
-    grouped = frame.group_by("name").agg(pl.len().alias("requests"), pl.col("inp", "hit", "s_inp", "s_hit").sum())
-    out = [
-        {
-            "name": g["name"],
-            "requests": int(g["requests"]),
-            "input_tokens": int(g["inp"]),
-            "hit_tokens": int(g["hit"]),
-            "hit_rate": g["hit"] / g["inp"] if g["inp"] else 0.0,
-            "hit_rate_steady": g["s_hit"] / g["s_inp"] if g["s_inp"] else None,
-        }
-        for g in grouped.sort("name").to_dicts()
-    ]
-    return sorted(out, key=lambda g: -g["input_tokens"])
 
 
-def _by_modality(trace: pa.Table, hit_tokens: np.ndarray, input_tokens: np.ndarray) -> list[dict]:
-    """Hit rate of the tokens inside image/video/audio spans, by modality, and of the remaining text."""
-    if "mm_items" not in trace.column_names:
-        return []
-    mm = trace.column("mm_items")
-    if mm.null_count == trace.num_rows:
-        return []
-    mm = mm.combine_chunks()
-    flat = pc.list_flatten(mm)
-    if len(flat) == 0:
-        return []
-    owner = np.asarray(pc.list_parent_indices(mm))
-    offset = pc.struct_field(flat, "offset").to_numpy(zero_copy_only=False).astype(np.int64)
-    tokens = pc.struct_field(flat, "tokens").to_numpy(zero_copy_only=False).astype(np.int64)
-    modality = np.array(pc.struct_field(flat, "modality").to_pylist(), dtype=object)
-    hit_in_span = np.clip(hit_tokens[owner] - offset, 0, tokens)
-    rows = []
-    for name in sorted(set(modality.tolist())):
-        sel = modality == name
-        rows.append(
+def _text(labels) -> pa.Array | pa.ChunkedArray:
+    return labels.cast(pa.string()) if pa.types.is_dictionary(labels.type) else labels
+
+
+class _GroupSums:
+    """Per label (tenant, workload): requests, input tokens, hit tokens, and both over the steady state."""
+
+    def __init__(self):
+        self.sums: dict[str, np.ndarray] = {}
+
+    def add(self, labels, input_tokens: np.ndarray, hit_tokens: np.ndarray, steady: np.ndarray) -> None:
+        import polars as pl  # loaded on use: the CLI starts faster without it
+
+        frame = pl.DataFrame(
             {
-                "name": name,
-                "tokens": int(tokens[sel].sum()),
-                "hit_tokens": int(hit_in_span[sel].sum()),
-                "hit_rate": float(hit_in_span[sel].sum() / tokens[sel].sum()),
+                "name": pl.Series(_text(labels).fill_null(NO_LABEL), dtype=pl.Utf8),
+                "inp": input_tokens,
+                "hit": hit_tokens,
+                "s_inp": np.where(steady, input_tokens, 0),
+                "s_hit": np.where(steady, hit_tokens, 0),
             }
         )
-    text_tokens = int(input_tokens.sum() - tokens.sum())
-    text_hits = int(hit_tokens.sum() - hit_in_span.sum())
-    rows.append(
-        {
-            "name": "text",
-            "tokens": text_tokens,
-            "hit_tokens": text_hits,
-            "hit_rate": text_hits / text_tokens if text_tokens else 0.0,
+        grouped = frame.group_by("name").agg(pl.len(), pl.col("inp", "hit", "s_inp", "s_hit").sum())
+        for name, *values in grouped.iter_rows():
+            row = self.sums.setdefault(name, np.zeros(5, dtype=object))
+            row += values
+
+    def result(self) -> list[dict]:
+        """Hit rate per label, all requests and steady state, largest input share first (ties by name)."""
+        out = []
+        for name, (requests, inp, hit, s_inp, s_hit) in sorted(self.sums.items()):
+            out.append(
+                {
+                    "name": name,
+                    "requests": int(requests),
+                    "input_tokens": int(inp),
+                    "hit_tokens": int(hit),
+                    "hit_rate": hit / inp if inp else 0.0,
+                    "hit_rate_steady": s_hit / s_inp if s_inp else None,
+                }
+            )
+        return sorted(out, key=lambda g: -g["input_tokens"])
+
+
+class _ModalitySums:
+    """Tokens inside image/video/audio spans and how many of them hit, by modality."""
+
+    def __init__(self):
+        self.sums: dict[str, list[int]] = {}  # modality -> [tokens, hit tokens]
+
+    def add(self, mm: pa.ChunkedArray | pa.Array, hit_tokens: np.ndarray) -> None:
+        if mm.null_count == len(mm):
+            return
+        mm = mm.combine_chunks() if isinstance(mm, pa.ChunkedArray) else mm
+        flat = pc.list_flatten(mm)
+        if len(flat) == 0:
+            return
+        owner = np.asarray(pc.list_parent_indices(mm))
+        offset = pc.struct_field(flat, "offset").to_numpy(zero_copy_only=False).astype(np.int64)
+        tokens = pc.struct_field(flat, "tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        modality = np.array(_text(pc.struct_field(flat, "modality")).to_pylist(), dtype=object)
+        hit_in_span = np.clip(hit_tokens[owner] - offset, 0, tokens)
+        for name in set(modality.tolist()):
+            sel = modality == name
+            row = self.sums.setdefault(name, [0, 0])
+            row[0] += int(tokens[sel].sum())
+            row[1] += int(hit_in_span[sel].sum())
+
+    def result(self, input_tokens: int, hit_tokens: int) -> list[dict]:
+        """Hit rate by modality, then of the remaining text; [] for a trace without spans."""
+        if not self.sums:
+            return []
+        rows = [
+            {"name": name, "tokens": tokens, "hit_tokens": hits, "hit_rate": hits / tokens}  # tokens > 0: validated
+            for name, (tokens, hits) in sorted(self.sums.items())
+        ]
+        text_tokens = input_tokens - sum(r["tokens"] for r in rows)
+        text_hits = hit_tokens - sum(r["hit_tokens"] for r in rows)
+        rows.append(
+            {
+                "name": "text",
+                "tokens": text_tokens,
+                "hit_tokens": text_hits,
+                "hit_rate": text_hits / text_tokens if text_tokens else 0.0,
+            }
+        )
+        return rows
+
+
+class MetricSums:
+    """One point's metrics, from its results given chunk by chunk in row order (`add`), for a trace of
+    `n_rows` requests (the steady state starts at row int(n_rows * warmup), as in `stats.hit_rates`)."""
+
+    def __init__(self, n_rows: int, block_size: int, warmup: float):
+        self.block_size = block_size
+        self.hits = HitSums(int(n_rows * warmup), warmup)
+        self.tenants, self.workloads, self.modalities = _GroupSums(), _GroupSums(), _ModalitySums()
+        self.evictions: int | None = None
+
+    def add(
+        self,
+        trace: pa.Table | pa.RecordBatch,
+        n_blocks: np.ndarray,
+        hit_blocks: np.ndarray,
+        evictions: np.ndarray | None = None,
+        hit_tokens: np.ndarray | None = None,
+    ) -> None:
+        """The next rows: `trace` their per-request columns (input_tokens, tenant, workload, mm_items when
+        the trace has it), the arrays their results. `hit_tokens` defaults to whole hit blocks."""
+        input_tokens = trace.column("input_tokens").to_numpy().astype(np.int64)
+        hit_blocks = np.asarray(hit_blocks, dtype=np.int64)
+        if hit_tokens is None:  # (a live server reports tokens, at its own block size)
+            hit_tokens = hit_blocks * self.block_size
+        hit_tokens = np.minimum(np.asarray(hit_tokens, dtype=np.int64), input_tokens)
+        steady = np.arange(self.hits.rows, self.hits.rows + len(input_tokens)) >= self.hits.steady_from
+        self.hits.add(hit_tokens, input_tokens, hit_blocks, np.asarray(n_blocks, dtype=np.int64))
+        self.tenants.add(trace.column("tenant"), input_tokens, hit_tokens, steady)
+        self.workloads.add(trace.column("workload"), input_tokens, hit_tokens, steady)
+        if "mm_items" in trace.column_names:
+            self.modalities.add(trace.column("mm_items"), hit_tokens)
+        if evictions is not None:
+            self.evictions = (self.evictions or 0) + int(np.sum(evictions))
+
+    def result(self, evict_matrix: np.ndarray | None = None, tenant_names: list[str] | None = None) -> dict:
+        """Everything summary.json reports for the point; keys are documented in the README."""
+        by_tenant = self.tenants.result()
+        tenant_rates = [g["hit_rate"] for g in by_tenant]
+        fairness = {
+            "jain": {"hit_rate": jain_index(tenant_rates)},
+            "max_min_ratio": {"hit_rate": max_min_ratio(tenant_rates)},
+            "tenants": len(by_tenant),
         }
-    )
-    return rows
+        if evict_matrix is not None:
+            fairness["evictor_victim"] = {"tenants": tenant_names, "matrix": np.asarray(evict_matrix).tolist()}
+        hit_tokens, input_tokens = int(self.hits.sums[0, 0]), int(self.hits.sums[0, 1])
+        return {
+            "hit_rate": self.hits.rates(),
+            "hit_tokens": hit_tokens,
+            "input_tokens": input_tokens,
+            "evictions": self.evictions,
+            "by_tenant": by_tenant,
+            "by_workload": self.workloads.result(),
+            "by_modality": self.modalities.result(input_tokens, hit_tokens),
+            "fairness": fairness,
+        }
 
 
 def point_metrics(
@@ -107,31 +217,8 @@ def point_metrics(
     tenant_names: list[str] | None = None,
     hit_tokens: np.ndarray | None = None,
 ) -> dict:
-    """Everything summary.json reports for one point; keys are documented in the README. `trace` needs its
-    per-request columns only (not block_hashes): `n_blocks` gives each request's block count."""
-    input_tokens = trace.column("input_tokens").to_numpy().astype(np.int64)
-    hit_blocks = np.asarray(hit_blocks, dtype=np.int64)
-    if hit_tokens is None:  # (a live server reports tokens, at its own block size)
-        hit_tokens = np.minimum(hit_blocks * block_size, input_tokens)
-    hit_tokens = np.minimum(np.asarray(hit_tokens, dtype=np.int64), input_tokens)
-    steady_from = int(trace.num_rows * warmup)
-
-    by_tenant = _groups(trace.column("tenant"), input_tokens, hit_tokens, steady_from)
-    tenant_rates = [g["hit_rate"] for g in by_tenant]
-    fairness = {
-        "jain": {"hit_rate": jain_index(tenant_rates)},
-        "max_min_ratio": {"hit_rate": max_min_ratio(tenant_rates)},
-        "tenants": len(by_tenant),
-    }
-    if evict_matrix is not None:
-        fairness["evictor_victim"] = {"tenants": tenant_names, "matrix": np.asarray(evict_matrix).tolist()}
-    return {
-        "hit_rate": hit_rates(hit_blocks, n_blocks, input_tokens, block_size, warmup, hit_tokens),
-        "hit_tokens": int(hit_tokens.sum()),
-        "input_tokens": int(input_tokens.sum()),
-        "evictions": int(np.sum(evictions)) if evictions is not None else None,
-        "by_tenant": by_tenant,
-        "by_workload": _groups(trace.column("workload"), input_tokens, hit_tokens, steady_from),
-        "by_modality": _by_modality(trace, hit_tokens, input_tokens),
-        "fairness": fairness,
-    }
+    """`MetricSums` of a whole trace at once. `trace` needs its per-request columns only (not block_hashes):
+    `n_blocks` gives each request's block count."""
+    sums = MetricSums(trace.num_rows, block_size, warmup)
+    sums.add(trace, n_blocks, hit_blocks, evictions, hit_tokens)
+    return sums.result(evict_matrix, tenant_names)

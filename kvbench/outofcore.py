@@ -58,12 +58,13 @@ class InfiniteCacheStream:
     before; every other reference to it was a hit-eligible repeat. A row's hits are the lowest position among
     its not-seen records, or all its blocks if there are none.
 
-    Memory: the per-row arrays (n_blocks and hits, 16 bytes a row), plus O(references of one batch) in `add`,
-    plus about 40 bytes per record of the partition being resolved in `finish`. A partition with more than
-    `partition_refs` records is first split 64 ways on further hash bits, streaming, so the last term stays
-    at most ~40 x `partition_refs` bytes (~320 MB by default). The only partition that cannot be split is
-    one hash alone, whose records number at most the count of `add` calls. Disk: 16 bytes per record, in a
-    temporary directory under `tmpdir` (default: the system's) that is removed on exit, exceptions included.
+    Memory: the per-row arrays (n_blocks and hits, 8 bytes a row with `finish(np.int32)`), plus
+    O(references of one batch) in `add`, plus about 40 bytes per record of the partition being resolved in
+    `finish`. A partition with more than `partition_refs` records is first split 64 ways on further hash
+    bits, streaming, so the last term stays at most ~40 x `partition_refs` bytes (~320 MB by default). The only
+    partition that cannot be split is one hash alone, whose records number at most the count of `add` calls.
+    Disk: 16 bytes per record, in a temporary directory under `tmpdir` (default: the system's) that is
+    removed on exit, exceptions included.
     """
 
     def __init__(self, tmpdir: str | os.PathLike | None = None, partition_refs: int = 8_000_000):
@@ -114,7 +115,7 @@ class InfiniteCacheStream:
         if self._rows + n_blocks.size > _MAX_ROWS:
             raise ValueError(f"more than {_MAX_ROWS} rows: rows are stored as uint32")
         base, self._rows = self._rows, self._rows + n_blocks.size
-        self._n_blocks.append(n_blocks)
+        self._n_blocks.append(n_blocks.astype(np.int32))  # (list offsets are int32: no row has more)
         flat = np.asarray(arr.flatten(), dtype=np.uint64)
         if not flat.size:
             return
@@ -139,18 +140,19 @@ class InfiniteCacheStream:
                     files[p] = open(self._path((*parent, p)), "wb")
                 files[p].write(rec[bounds[p] : bounds[p + 1]].tobytes())
 
-    def finish(self) -> tuple[np.ndarray, int]:
-        """Hit blocks per row (int64, in `add` order) and the number of distinct block ids.
+    def finish(self, dtype=np.int64) -> tuple[np.ndarray, int]:
+        """Hit blocks per row (of `dtype`: int32 halves the memory, in `add` order) and the number of
+        distinct block ids.
 
-        Also sets `self.n_blocks` (blocks per row) and removes the temporary directory.
+        Also sets `self.n_blocks` (blocks per row, int32) and removes the temporary directory.
         """
         if self._done:
             raise RuntimeError("finish() called twice")
         self._done = True
         self._close_files(self._files)
-        self.n_blocks = np.concatenate(self._n_blocks) if self._n_blocks else np.zeros(0, dtype=np.int64)
+        self.n_blocks = np.concatenate(self._n_blocks) if self._n_blocks else np.zeros(0, dtype=np.int32)
         self._n_blocks = []
-        hits = self.n_blocks.copy()  # a row with no not-seen block hits on all of them
+        hits = self.n_blocks.astype(dtype)  # a row with no not-seen block hits on all of them
         unique = 0
         # Depth-first over (partition key, may split); a partition is deleted as soon as it is consumed,
         # so the disk footprint never grows beyond the spilled records.
@@ -188,5 +190,5 @@ class InfiniteCacheStream:
         # Records of one hash are in ascending row order (batches are appended in call order, one record per
         # hash per batch, and splits keep order), so its first record is its earliest row: not seen before.
         first = _first_occurrence(rec["h"])
-        np.minimum.at(hits, rec["r"][first].astype(np.intp), rec["p"][first].astype(np.int64))
+        np.minimum.at(hits, rec["r"][first].astype(np.intp), rec["p"][first].astype(hits.dtype))
         return int(np.count_nonzero(first))

@@ -3,7 +3,6 @@ it measured. One schema for every backend; a backend leaves the columns it does 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
@@ -50,16 +49,20 @@ TRACE_COLUMNS = ["request_id", "tenant", "workload", "input_tokens", "output_tok
 
 
 class ResultWriter:
-    """Appends one row group per point to requests.parquet; `close()` (also on interruption) seals the file."""
+    """Appends rows to requests.parquet as they are answered (a point's rows in row order, in one or more
+    calls); `close()` (also on interruption) seals the file. A point interrupted part-way keeps the rows it
+    wrote; summary.json lists the points that finished."""
 
     def __init__(self, path: Path):
         self.path = path
         self._writer = pq.ParquetWriter(path, RESULT_SCHEMA, compression="zstd")
 
-    def write(self, trace: pa.Table | Iterable[pa.RecordBatch], point: PointResult) -> None:
-        """Append `point`'s rows. `trace` gives TRACE_COLUMNS: a table, or its batches in row order (a
-        streamed trace); either way rows are built slice by slice, never all at once."""
-        batches = trace.to_batches(max_chunksize=WRITE_ROWS) if isinstance(trace, pa.Table) else trace
+    def write(self, trace: pa.Table | pa.RecordBatch, point: PointResult) -> None:
+        """Append `point`'s answers to the requests of `trace` (with TRACE_COLUMNS; `point.columns` aligned
+        with its rows), built WRITE_ROWS rows at a time, never all at once."""
+        if isinstance(trace, pa.RecordBatch):
+            trace = pa.Table.from_batches([trace])
+        batches = trace.to_batches(max_chunksize=WRITE_ROWS)
         start = 0
         for batch in batches:
             self._writer.write_table(self._rows(pa.Table.from_batches([batch]), point, start))

@@ -7,18 +7,24 @@ import datetime as _dt
 import json
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import __version__
+from .backend import PointResult, StreamedPoint
 from .errors import KvbenchError
 from .live import is_online, run_live
-from .metrics import point_metrics
+from .metrics import MetricSums
 from .plugins import load_backend
-from .results import TRACE_COLUMNS, ResultWriter
+from .results import WRITE_ROWS, ResultWriter
 from .stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
-from .tracescan import STREAM_BLOCK_REFS, block_references, scan_trace, trace_fingerprint
+from .traceio import TraceMeta
+from .tracescan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
 from .validate import read_valid_trace
 
 DEFAULT_REPORTS = Path("reports")
@@ -33,21 +39,52 @@ def _environment() -> dict:
     return {"python": sys.version.split()[0], "platform": platform.platform(), "machine": platform.machine()}
 
 
-def _open_trace(trace_path: Path, stream: bool | None):
-    """(per-request table, block counts, infinite-cache hits, fingerprint, meta, whole table or None, scanned
-    trace or None). A trace over STREAM_BLOCK_REFS block references (or any, with stream=True) is scanned
-    with its block ids streamed; otherwise it is read whole, which is faster."""
-    import pyarrow.compute as pc
+class _Trace(NamedTuple):
+    """A trace opened for a replay: read whole (`table`, `n_blocks`) or scanned for streaming (`scanned`)."""
 
+    meta: TraceMeta
+    facts: dict  # for the summary: fingerprint, requests, block_references
+    infinite_cache: dict  # hit rates of an unbounded cache (`stats.hit_rates`)
+    table: pa.Table | None = None
+    n_blocks: np.ndarray | None = None  # int64[n] blocks per request, with `table`
+    scanned: ScannedTrace | None = None
+
+
+def _open_trace(trace_path: Path, stream: bool | None, warmup: float) -> _Trace:
+    """A trace over STREAM_BLOCK_REFS block references (or any, with stream=True) is scanned, to be read
+    again chunk by chunk; otherwise it is read whole, which is faster."""
     if stream is None:
         stream = block_references(trace_path) > STREAM_BLOCK_REFS
     if stream:
-        s = scan_trace(trace_path)
-        return s.requests, s.n_blocks, s.infinite_hits, s.fingerprint, s.meta, None, s
+        s = scan_trace(trace_path, warmup=warmup)
+        facts = {"fingerprint": s.fingerprint, "requests": s.n_requests, "block_references": s.block_references}
+        return _Trace(s.meta, facts, s.infinite_cache, scanned=s)
     table, meta = read_valid_trace(trace_path)
     n_blocks = pc.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
     hits = infinite_cache_hits(table.column("block_hashes"))
-    return table, n_blocks, hits, trace_fingerprint(table), meta, table, None
+    input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
+    facts = {
+        "fingerprint": trace_fingerprint(table),
+        "requests": table.num_rows,
+        "block_references": int(n_blocks.sum()),
+    }
+    return _Trace(meta, facts, hit_rates(hits, n_blocks, input_tokens, meta.block_size, warmup), table, n_blocks)
+
+
+def _whole_answers(point: PointResult, trace: _Trace) -> Iterator[tuple]:
+    """(rows, their block counts, their answers) of a point answered at once, slice by slice: results are
+    written and summed the same way as a streamed point's (and their rows built a slice at a time)."""
+    for start in range(0, trace.table.num_rows, WRITE_ROWS):
+        stop = min(start + WRITE_ROWS, trace.table.num_rows)
+        answers = {k: v[start:stop] for k, v in point.columns.items()}
+        yield trace.table.slice(start, stop - start), trace.n_blocks[start:stop], answers
+
+
+def _streamed_answers(point: StreamedPoint, trace: _Trace) -> Iterator[tuple]:
+    """(rows, their block counts, their answers) of a streamed point, the trace read chunk by chunk."""
+    for chunk in trace.scanned.chunks():
+        n_blocks = pc.list_value_length(chunk.column("block_hashes")).to_numpy(zero_copy_only=False)
+        yield chunk, n_blocks, point.answer(chunk)
 
 
 def run_replay(
@@ -61,9 +98,9 @@ def run_replay(
     report: bool = True,
     stream: bool | None = None,
 ):
-    """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet point by
-    point and summary.json after every point, so an interrupted run keeps and reports what it finished.
-    `stream`: replay in bounded memory, block ids read by row group (None: when the trace is large)."""
+    """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
+    are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
+    `stream`: replay in bounded memory, the trace read by row group (None: when the trace is large)."""
     trace_path = Path(trace_path)
     try:
         backend_cls = load_backend(backend_name)
@@ -71,15 +108,13 @@ def run_replay(
         raise KvbenchError(exc.args[0]) from None
     backend = backend_cls(**backend_options)
     online = is_online(backend)
-    requests, n_blocks, infinite_hits, fingerprint, meta, table, scanned = _open_trace(
-        trace_path, False if online else stream
-    )
+    trace = _open_trace(trace_path, False if online else stream, warmup)
+    meta, scanned = trace.meta, trace.scanned
     if scanned is not None and not hasattr(backend, "replay_stream"):
         raise KvbenchError(
             f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
             "replay it with --no-stream, or cut the trace shorter"
         )
-    input_tokens = requests.column("input_tokens").to_numpy().astype(np.int64)
     run_dir = Path(out) if out else DEFAULT_REPORTS / new_run_id(backend_name, trace_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = {
@@ -90,16 +125,14 @@ def run_replay(
         "environment": _environment(),
         "trace": {
             "path": str(trace_path),
-            "fingerprint": fingerprint,
-            "requests": requests.num_rows,
-            "block_references": int(n_blocks.sum()),
+            **trace.facts,
             "streamed": scanned is not None,
             "block_size": meta.block_size,
             "source": meta.source,
         },
         "backend": backend_name,
         "config": {**backend.config(), "warmup": warmup},
-        "infinite_cache": hit_rates(infinite_hits, n_blocks, input_tokens, meta.block_size, warmup),
+        "infinite_cache": trace.infinite_cache,
         "points": [],
         "curves": [],
         "complete": False,
@@ -107,7 +140,7 @@ def run_replay(
     _write_summary(run_dir, summary)
     if online:
         try:
-            run_live(backend, table, meta, run_dir, summary, warmup, progress)
+            run_live(backend, trace.table, meta, run_dir, summary, warmup, progress)
             summary["complete"] = True
         except KeyboardInterrupt:
             summary["interrupted"] = True
@@ -116,21 +149,20 @@ def run_replay(
         return run_dir, summary
     writer = ResultWriter(run_dir / "requests.parquet")
     try:
-        points = backend.replay(table, meta) if scanned is None else backend.replay_stream(scanned)
+        points = backend.replay(trace.table, meta) if scanned is None else backend.replay_stream(scanned)
         for point in points:
-            if "hit_blocks" in point.columns:
-                writer.write(requests if scanned is None else scanned.chunks(TRACE_COLUMNS, blocks=False), point)
-                metrics = point_metrics(
-                    requests,
-                    n_blocks,
-                    meta.block_size,
-                    point.columns["hit_blocks"],
-                    warmup,
-                    point.columns.get("evictions"),
-                    point.extra.pop("evict_matrix", None),
-                    point.extra.pop("tenant_names", None),
-                )
-                summary["points"].append({"name": point.name, **point.labels, **metrics, **point.extra})
+            if scanned is not None or "hit_blocks" in point.columns:
+                # one chunk of answers at a time, written and summed, then dropped: a streamed point keeps
+                # nothing per request
+                metrics = MetricSums(trace.facts["requests"], meta.block_size, warmup)
+                answered = _whole_answers if scanned is None else _streamed_answers
+                for rows, n_blocks, answers in answered(point, trace):
+                    writer.write(rows, PointResult(point.labels, answers))
+                    metrics.add(rows, n_blocks, answers["hit_blocks"], answers.get("evictions"))
+                if scanned is not None:
+                    point = PointResult(point.labels, extra=point.finish())
+                totals = metrics.result(point.extra.pop("evict_matrix", None), point.extra.pop("tenant_names", None))
+                summary["points"].append({"name": point.name, **point.labels, **totals, **point.extra})
             if "curve" in point.extra:
                 summary["curves"].append({**point.labels, **point.extra["curve"]})
             _write_summary(run_dir, summary)

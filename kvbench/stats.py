@@ -130,7 +130,7 @@ def trace_info_file(path, warmup: float = DEFAULT_WARMUP, tmpdir=None) -> dict:
     from .traceio import iter_batches
     from .tracescan import scan_trace
 
-    scanned = scan_trace(path, tmpdir=tmpdir)
+    scanned = scan_trace(path, tmpdir=tmpdir, warmup=warmup, keep_requests=True)
     # distinct sessions and users by 64-bit hash, chunk by chunk: the ids themselves are not kept
     present = [c for c in ("session_id", "user_id") if c in read_meta_columns(path)]
     hashed = {c: [] for c in present}

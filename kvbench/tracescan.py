@@ -1,10 +1,10 @@
 """What a replay needs from a trace file, in bounded memory: one pass over the block ids by row group.
 
 A trace's block ids are almost all of its bytes (tens of ids per request); everything else is a few tens of
-bytes per request. `scan_trace` keeps the per-request columns, and streams `block_hashes` once to count
-blocks, validate them, fingerprint them and compute the infinite-cache bound (spilled to disk,
-`outofcore.InfiniteCacheStream`). A streaming backend then reads the block ids again, chunk by chunk.
-"""
+bytes per request, still too much to keep for a trace of any length. `scan_trace` streams the trace once to
+validate it, count and fingerprint its blocks, name its tenants and compute the infinite-cache bound (spilled
+to disk, `outofcore.InfiniteCacheStream`), and keeps only those totals. A streamed replay then reads the trace
+again, chunk by chunk (`ScannedTrace.chunks`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import ValidationFailed
+from .metrics import NO_LABEL, HitSums
 from .schema import TRACE_SCHEMA
+from .stats import DEFAULT_WARMUP
 from .traceio import ROW_GROUP_SIZE, TraceMeta, _open, iter_batches, read_meta
 from .validate import References, ValidationReport, block_lengths, check_across_rows, check_rows
 
@@ -80,8 +82,9 @@ def trace_fingerprint(table: pa.Table) -> str:
     return fp.hexdigest()
 
 
-# The per-request columns a replay keeps (block counts aside); the rest is only validated.
-KEPT_COLUMNS = (
+# The per-request columns a replay reads with the block ids, chunk by chunk: results, metrics, isolation
+# (cache_salt, lora) and what policies look at. Everything else is only validated.
+REPLAY_COLUMNS = (
     "request_id",
     "arrival_s",
     "input_tokens",
@@ -97,29 +100,36 @@ KEPT_COLUMNS = (
 
 @dataclass
 class ScannedTrace:
-    """A validated trace without its block ids in memory."""
+    """A validated trace with nothing per request in memory: the counts and names that size a streamed
+    replay and fill its summary, and `chunks()` to read the trace again. `scan_trace(keep_requests=True)`
+    (trace info) also keeps the per-request columns and block statistics."""
 
     path: Path
     meta: TraceMeta
-    requests: pa.Table  # KEPT_COLUMNS, cast to the schema
-    n_blocks: np.ndarray  # int64[n]
-    infinite_hits: np.ndarray  # int64[n]: hit blocks with an unbounded cache (prefix rule)
+    n_requests: int
+    block_references: int
+    longest: int  # most blocks in one request
+    chunk_refs: int  # most block references in one chunk of `chunks()`
+    tenant_names: list[str]  # distinct tenants (NO_LABEL for a null) in order of first appearance
+    filled: frozenset[str]  # the REPLAY_COLUMNS with at least one value
+    infinite_cache: dict  # `stats.hit_rates` of an unbounded cache (prefix rule), at the scan's warm-up
     unique_blocks: int
     fingerprint: str
-    chunk_refs: int  # most block references in one chunk of `chunks()`
     chunk_rows: int = ROW_GROUP_SIZE
+    requests: pa.Table | None = None  # REPLAY_COLUMNS (but an empty mm_items), cast (keep_requests only)
+    n_blocks: np.ndarray | None = None  # int64[n] (keep_requests only)
+    infinite_hits: np.ndarray | None = None  # int64[n]: hit blocks with an unbounded cache (keep_requests only)
 
-    def chunks(self, columns: list[str], blocks: bool = True) -> Iterator[pa.RecordBatch]:
-        """block_hashes (unless `blocks` is False) and the other `columns` the trace has, in row order, chunk
-        by chunk."""
+    def chunks(self, columns=REPLAY_COLUMNS, blocks: bool = True) -> Iterator[pa.RecordBatch]:
+        """block_hashes (unless `blocks` is False) and the other `columns` the trace has, cast to the schema's
+        types (validated castable), in row order, chunk by chunk."""
         names = set(_open(self.path).schema_arrow.names)
         wanted = (["block_hashes"] if blocks else []) + [c for c in columns if c in names]
         for batch in iter_batches(self.path, columns=wanted, batch_size=self.chunk_rows):
-            col = batch.column("block_hashes") if blocks else None
-            if col is not None and not col.type.equals(_BLOCKS_TYPE):  # validated castable
-                batch = batch.set_column(
-                    batch.schema.get_field_index("block_hashes"), "block_hashes", col.cast(_BLOCKS_TYPE)
-                )
+            for i, f in enumerate(batch.schema):
+                typ = TRACE_SCHEMA.field(f.name).type
+                if not f.type.equals(typ):
+                    batch = batch.set_column(i, pa.field(f.name, typ), batch.column(i).cast(typ))
             yield batch
 
 
@@ -134,9 +144,31 @@ def _rows_of(path, column: str, rows: np.ndarray) -> list:
     return out
 
 
-def scan_trace(path: str | Path, tmpdir=None, chunk_rows: int = ROW_GROUP_SIZE) -> ScannedTrace:
+class _Names:
+    """Distinct tenants in order of first appearance, and which replay columns have values, chunk by chunk."""
+
+    def __init__(self):
+        self.tenants: dict[str, None] = {}  # (a dict keeps insertion order)
+        self.filled: set[str] = set()
+
+    def add(self, typed: pa.Table) -> None:
+        tenant = typed.column("tenant").cast(pa.string()).fill_null(NO_LABEL)
+        self.tenants.update(dict.fromkeys(pc.unique(tenant).to_pylist()))
+        self.filled.update(c for c in REPLAY_COLUMNS if typed.column(c).null_count < typed.num_rows)
+
+
+def scan_trace(
+    path: str | Path,
+    tmpdir=None,
+    chunk_rows: int = ROW_GROUP_SIZE,
+    *,
+    warmup: float = DEFAULT_WARMUP,
+    keep_requests: bool = False,
+) -> ScannedTrace:
     """Validate and summarise a trace in one pass, chunk by chunk (raises ValidationFailed). Memory: one
-    chunk, the kept per-request columns, and the cross-row references (ids and dependencies)."""
+    chunk, the cross-row references (ids and dependencies, 8-24 bytes a request) while validating, and 12
+    bytes a request while the infinite-cache bound (at `warmup`) is resolved; `keep_requests` keeps the
+    REPLAY_COLUMNS and block statistics per request, for trace info."""
     from .outofcore import InfiniteCacheStream
 
     path = Path(path)
@@ -145,8 +177,9 @@ def scan_trace(path: str | Path, tmpdir=None, chunk_rows: int = ROW_GROUP_SIZE) 
     if rows == 0:
         report.add_file("request_id", "trace has no requests")
         raise ValidationFailed(report)
-    fingerprint = Fingerprint()
-    kept, lengths, refs, chunk_refs, last_arrival = [], [], [], 0, None
+    fingerprint, names = Fingerprint(), _Names()
+    refs, tokens, kept, last_arrival = [], [], [], None
+    chunk_refs = longest = total_refs = 0
     with InfiniteCacheStream(tmpdir=tmpdir) as stream:
         start = 0
         for batch in iter_batches(path, batch_size=chunk_rows):
@@ -157,21 +190,58 @@ def scan_trace(path: str | Path, tmpdir=None, chunk_rows: int = ROW_GROUP_SIZE) 
                     report.add("arrival_s", "arrivals must be non-decreasing (sort the trace by arrival)", [0])
                 last_arrival = arrival[-1].as_py() if len(arrival) else last_arrival
                 hashes = typed.column("block_hashes")
-                lengths.append(block_lengths(hashes))
-                chunk_refs = max(chunk_refs, int(np.maximum(lengths[-1], 0).sum()))
+                lengths = np.maximum(block_lengths(hashes), 0)
+                chunk_refs, total_refs = max(chunk_refs, int(lengths.sum())), total_refs + int(lengths.sum())
+                longest = max(longest, int(lengths.max(initial=0)))
                 fingerprint.update_table(typed)
                 refs.append(References.of(typed, start))
                 if report.ok:  # (an invalid trace is reported, never replayed: stop collecting for it)
                     stream.add(hashes.fill_null(pa.scalar([], _BLOCKS_TYPE)).combine_chunks())
-                    kept.append(typed.select(list(KEPT_COLUMNS)).combine_chunks())
+                    tokens.append(typed.column("input_tokens").to_numpy().astype(np.int32))
+                    names.add(typed)
+                    if keep_requests:
+                        kept.append(typed.select(list(REPLAY_COLUMNS)).combine_chunks())
             start += batch.num_rows
         if len(refs) == -(-rows // chunk_rows):  # every chunk could be read as the schema's types
-            check_across_rows(References.concat(refs), report, lambda r: _rows_of(path, "request_id", r))
+            every = References.concat(refs)
+            refs.clear()  # (not both the parts and their concatenation while checking)
+            check_across_rows(every, report, lambda r: _rows_of(path, "request_id", r))
+            del every
+        refs.clear()
         if not report.ok:
             raise ValidationFailed(report)
-        hits, unique = stream.finish()
-    requests = pa.concat_tables(kept)  # chunked: combining would copy every column at once
-    if requests.column("mm_items").null_count == requests.num_rows:  # 8 bytes a row of nothing
-        requests = requests.drop_columns(["mm_items"])
-    n_blocks = np.concatenate(lengths)
-    return ScannedTrace(path, meta, requests, n_blocks, hits, unique, fingerprint.hexdigest(), chunk_refs, chunk_rows)
+        hits, unique = stream.finish(dtype=np.int32)
+    n_blocks = stream.n_blocks
+    infinite = _infinite_cache(hits, n_blocks, tokens, meta.block_size, int(rows * warmup), warmup)
+    scanned = ScannedTrace(
+        path,
+        meta,
+        rows,
+        total_refs,
+        longest,
+        chunk_refs,
+        list(names.tenants),
+        frozenset(names.filled),
+        infinite,
+        unique,
+        fingerprint.hexdigest(),
+        chunk_rows,
+    )
+    if keep_requests:
+        requests = pa.concat_tables(kept)  # chunked: combining would copy every column at once
+        if "mm_items" not in scanned.filled:  # 8 bytes a row of nothing
+            requests = requests.drop_columns(["mm_items"])
+        scanned.requests = requests
+        scanned.n_blocks, scanned.infinite_hits = n_blocks.astype(np.int64), hits.astype(np.int64)
+    return scanned
+
+
+def _infinite_cache(hits, n_blocks, tokens: list[np.ndarray], block_size: int, steady_from: int, warmup) -> dict:
+    """The infinite cache's hit rates, summed one chunk of `tokens` at a time (int64 temporaries stay small)."""
+    sums, start = HitSums(steady_from, warmup), 0
+    for inp in tokens:
+        stop = start + inp.size
+        inp, hit = inp.astype(np.int64), hits[start:stop].astype(np.int64)
+        sums.add(np.minimum(hit * block_size, inp), inp, hit, n_blocks[start:stop].astype(np.int64))
+        start = stop
+    return sums.rates()

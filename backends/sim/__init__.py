@@ -12,13 +12,14 @@ import click
 import numpy as np
 import pyarrow as pa
 
-from kvbench.backend import PointResult
+from kvbench.backend import PointResult, StreamedPoint
 from kvbench.capacity import KV_DTYPE_BYTES, MODELS, parse_capacities
 from kvbench.errors import KvbenchError
 from kvbench.traceio import TraceMeta
 
 from . import policies as _policies
-from .prepared import prepare, prepare_requests
+from .policies import SimOutput
+from .prepared import PreparedTrace, prepare
 
 BOUND = "belady"
 CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary and the plot
@@ -161,9 +162,11 @@ class SimBackend:
             "policy_options": self.policy_options,
         }
 
-    def _check_needs(self, pol, trace: pa.Table) -> None:
+    @staticmethod
+    def _check_needs(pol, filled) -> None:
+        """`filled`: the trace columns with at least one value."""
         for col in pol.needs:
-            if col not in trace.column_names or trace.column(col).null_count == trace.num_rows:
+            if col not in filled:
                 raise KvbenchError(
                     f"policy {pol.name} needs the trace column {col!r}, which is empty in this "
                     f"trace; pick another policy or a trace that has {col}"
@@ -176,8 +179,9 @@ class SimBackend:
         if self.bound and BOUND not in names and caps:
             names.append(BOUND)
         pols = [_policies.get(n) for n in names]
+        filled = {c for c in trace.column_names if trace.column(c).null_count < trace.num_rows}
         for pol in pols:
-            self._check_needs(pol, trace)
+            self._check_needs(pol, filled)
         prepared = {}
 
         def prepared_for(name):
@@ -192,11 +196,9 @@ class SimBackend:
         if self.curve:
             yield from self._curves(pols, prepared_for)
 
-    def replay_stream(self, scanned) -> Iterator[PointResult]:
-        """The same points as `replay`, with the block ids read chunk by chunk (bounded memory): policies that
-        can carry their cache across chunks only; the Belady bound (it needs the future) is left out."""
-        from .stream import replay_stream
-
+    def replay_stream(self, scanned) -> Iterator[StreamedPoint]:
+        """The same points as `replay`, each answering the trace chunk by chunk (bounded memory): policies
+        that can carry their cache across chunks only; the Belady bound (it needs the future) is left out."""
         if self.curve:
             raise KvbenchError("--curve needs the whole trace in memory; drop --curve or replay with --no-stream")
         if self.reference:
@@ -207,49 +209,22 @@ class SimBackend:
             can = ", ".join(n for n, p in _policies.registry().items() if p.carry is not None)
             raise KvbenchError(
                 f"policy {', '.join(blocked)} needs the whole trace in memory; streamed replays "
-                f"({scanned.n_blocks.sum():,} block references) support {can}, or replay with --no-stream"
+                f"({scanned.block_references:,} block references) support {can}, or replay with --no-stream"
             )
         for pol in pols:
-            self._check_needs(pol, scanned.requests)
-        bs = scanned.meta.block_size
-        caps = parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype)
+            self._check_needs(pol, scanned.filled)
+        caps = parse_capacities(self.capacity_spec, scanned.meta.block_size, self.model, self.kv_dtype)
         for pol in pols:
-            requests = prepare_requests(scanned.requests, bs, scanned.n_blocks, vllm_cap=pol.name == "vllm")
             for cap in caps:
-                out = replay_stream(
-                    pol.carry,
-                    cap.blocks,
-                    requests,
-                    scanned.chunks(["cache_salt", "lora"]),
-                    scanned.chunk_refs,
-                    use_salt=self.salt,
-                    share_lora=self.share_lora_kv,
-                )
-                yield self._result(pol, requests, out, cap.blocks, cap.text)
+                yield _StreamedPoint(self, pol, cap, scanned)
 
     def _point(self, pol, prep, blocks: int, text: str) -> PointResult:
         run = pol.reference if self.reference else pol.kernel
-        return self._result(pol, prep, run(prep, blocks, self.policy_options), blocks, text)
-
-    def _result(self, pol, prep, out, blocks: int, text: str) -> PointResult:
-        hit_tokens = np.minimum(out.hit_blocks.astype(np.int64) * prep.block_size, prep.input_tokens)
-        steady_from = int(prep.n_requests * 0.5)
+        out = run(prep, blocks, self.policy_options)
         return PointResult(
-            labels={"policy": pol.name, "capacity_blocks": blocks},
-            columns={
-                "hit_blocks": out.hit_blocks,
-                "hit_tokens": hit_tokens,
-                "hit_tokens_hbm": hit_tokens,
-                "evictions": out.evictions,
-            },
-            extra={
-                "capacity": text,
-                "evict_matrix": out.evict_matrix,
-                "tenant_names": prep.tenant_names,
-                "filled_at_request": int(out.filled_at),
-                # kvcache-simulator prints "underfilled" instead of a number; we keep the number and flag it
-                "underfilled": bool(out.filled_at < 0 or out.filled_at >= steady_from),
-            },
+            labels=_labels(pol, blocks),
+            columns=_columns(out, prep),
+            extra=_extra(out.evict_matrix, prep.tenant_names, out.filled_at, prep.n_requests, text),
         )
 
     def _curves(self, pols, prepared_for) -> Iterator[PointResult]:
@@ -266,3 +241,58 @@ class SimBackend:
             prep = prepared_for(BOUND)
             for blocks in np.unique(np.geomspace(max(prep.n_keys // 1000, 1), prep.n_keys, 8).astype(np.int64)):
                 yield self._point(_policies.get(BOUND), prep, int(blocks), str(blocks))
+
+
+def _labels(pol, blocks: int) -> dict:
+    return {"policy": pol.name, "capacity_blocks": blocks}
+
+
+def _columns(out: SimOutput, prep: PreparedTrace) -> dict[str, np.ndarray]:
+    """The result columns of `out`, the answers to the requests of `prep` (a trace or a chunk of one)."""
+    hit_tokens = np.minimum(out.hit_blocks.astype(np.int64) * prep.block_size, prep.input_tokens)
+    return {
+        "hit_blocks": out.hit_blocks,
+        "hit_tokens": hit_tokens,
+        "hit_tokens_hbm": hit_tokens,
+        "evictions": out.evictions,
+    }
+
+
+def _extra(evict_matrix: np.ndarray, tenant_names: list[str], filled_at: int, n_requests: int, text: str) -> dict:
+    steady_from = int(n_requests * 0.5)
+    return {
+        "capacity": text,
+        "evict_matrix": evict_matrix,
+        "tenant_names": tenant_names,
+        "filled_at_request": int(filled_at),
+        # kvcache-simulator prints "underfilled" instead of a number; we keep the number and flag it
+        "underfilled": bool(filled_at < 0 or filled_at >= steady_from),
+    }
+
+
+class _StreamedPoint:
+    """A `kvbench.backend.StreamedPoint`: one policy at one capacity, answering a streamed trace."""
+
+    def __init__(self, sim: SimBackend, pol, cap, scanned):
+        from .stream import StreamReplay  # compiles its kernels: only for streamed replays
+
+        self.labels, self._text, self._n_requests = _labels(pol, cap.blocks), cap.text, scanned.n_requests
+        self._run = StreamReplay(
+            pol.carry,
+            cap.blocks,
+            block_size=scanned.meta.block_size,
+            tenant_names=scanned.tenant_names,
+            block_references=scanned.block_references,
+            chunk_refs=scanned.chunk_refs,
+            longest=scanned.longest,
+            vllm_cap=pol.name == "vllm",  # vLLM recomputes at least the last prompt token
+            use_salt=sim.salt,
+            share_lora=sim.share_lora_kv,
+        )
+
+    def answer(self, chunk: pa.RecordBatch) -> dict[str, np.ndarray]:
+        return _columns(*self._run.feed(chunk))
+
+    def finish(self) -> dict:
+        run = self._run
+        return _extra(run.evict_matrix, run.tenant_names, run.filled_at, self._n_requests, self._text)

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.blockhash import mix, name_key
+from kvbench.metrics import NO_LABEL
 from kvbench.schema import DEFAULT_PRIORITY
 
 from ._densify import densify
@@ -47,21 +48,6 @@ class PreparedTrace:
     @property
     def n_blocks(self) -> np.ndarray:
         return np.diff(self.offsets)
-
-    def rows(self, start: int, stop: int, keys: np.ndarray, offsets: np.ndarray) -> PreparedTrace:
-        """Requests start..stop-1 with the given block keys (a chunk of a streamed trace)."""
-        return PreparedTrace(
-            block_size=self.block_size,
-            offsets=offsets,
-            keys=keys,
-            parent=self.parent,
-            input_tokens=self.input_tokens[start:stop],
-            max_hit=self.max_hit[start:stop],
-            tenant=self.tenant[start:stop],
-            tenant_names=self.tenant_names,
-            priority=self.priority[start:stop],
-            arrival_s=None if self.arrival_s is None else self.arrival_s[start:stop],
-        )
 
     def next_use(self) -> np.ndarray:
         """int32[m]: index of the next request that references the same key after this reference's request
@@ -118,21 +104,18 @@ def prepare(
     return prepared
 
 
-def prepare_requests(table: pa.Table, block_size: int, n_blocks: np.ndarray, *, vllm_cap: bool) -> PreparedTrace:
-    """The per-request arrays of a trace (no keys yet): what a streamed replay keeps for the whole trace."""
+def prepare_requests(
+    table: pa.Table, block_size: int, n_blocks: np.ndarray, *, vllm_cap: bool, tenant_names: list[str] | None = None
+) -> PreparedTrace:
+    """The per-request arrays of a trace or of a chunk of one (no keys yet). `tenant_names`: every tenant of
+    the trace, for a chunk (codes index it, so they agree across chunks); otherwise the table's own."""
     n_blocks = np.asarray(n_blocks, dtype=np.int64)
     offsets = np.zeros(n_blocks.size + 1, np.int64)
     np.cumsum(n_blocks, out=offsets[1:])
     input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
     # vLLM recomputes at least the last prompt token, so a hit never covers the whole prompt.
     max_hit = np.minimum(n_blocks, (input_tokens - 1) // block_size) if vllm_cap else n_blocks
-    tenant_col = _column_or_none(table, "tenant")
-    if tenant_col is None:
-        tenant, names = np.zeros(table.num_rows, dtype=np.int32), ["(none)"]
-    else:
-        encoded = pc.dictionary_encode(tenant_col.fill_null("(none)")).combine_chunks()
-        tenant = np.asarray(encoded.indices, dtype=np.int32)
-        names = encoded.dictionary.to_pylist()
+    tenant, names = _tenant_codes(table, tenant_names)
     prio_col = table.column("priority") if "priority" in table.column_names else None
     priority = (
         prio_col.fill_null(DEFAULT_PRIORITY).to_numpy().astype(np.int8)
@@ -151,3 +134,17 @@ def prepare_requests(table: pa.Table, block_size: int, n_blocks: np.ndarray, *, 
         tenant_names=names,
         priority=priority,
     )
+
+
+def _tenant_codes(table: pa.Table, names: list[str] | None) -> tuple[np.ndarray, list[str]]:
+    """Tenant index of each request, and the names indexed ("(none)" for a null), in order of appearance."""
+    col = _column_or_none(table, "tenant")
+    if col is None:  # (in a chunk, "(none)" need not be the trace's first tenant)
+        names = names or [NO_LABEL]
+        return np.full(table.num_rows, names.index(NO_LABEL), dtype=np.int32), names
+    encoded = pc.dictionary_encode(col.fill_null(NO_LABEL)).combine_chunks()
+    codes = np.asarray(encoded.indices, dtype=np.int32)
+    if names is None:
+        return codes, encoded.dictionary.to_pylist()
+    index = {name: i for i, name in enumerate(names)}
+    return np.array([index[v] for v in encoded.dictionary.to_pylist()], np.int32)[codes], names

@@ -4,12 +4,11 @@ The in-memory path numbers every distinct block 0..U-1 up front, which takes mem
 trace. Here a block gets an id only while the policy caches it: ids come from a free list, a hash table maps
 block ids (64-bit) to them, and after each chunk the ids of blocks the policy no longer caches go back to the
 free list. The id space is therefore capacity + the largest chunk's block references, whatever the length of
-the trace; with the per-request columns (a few bytes per request) that is all the memory a replay needs.
+the trace. The per-request columns come with each chunk too, and the answers leave with it (the runner writes
+them and sums its metrics), so nothing grows with the length of the trace.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +16,7 @@ import pyarrow as pa
 from ._compiled import kernel_fn
 from ._densify import _mix64
 from .policies import FILLED_AT, Carry, SimOutput
-from .prepared import PreparedTrace, fold_isolation
+from .prepared import PreparedTrace, fold_isolation, prepare_requests
 
 _FREE = 0  # counters[_FREE]: number of ids on the free stack
 
@@ -95,35 +94,51 @@ class BlockIds:
         _release(self.slots, self.block_of, self.free, self.in_use, np.ascontiguousarray(cached), self.counters)
 
 
-def replay_stream(
-    carry_cls: type[Carry],
-    capacity: int,
-    columns: PreparedTrace,
-    chunks: Iterator[pa.RecordBatch],
-    chunk_refs: int,
-    *,
-    use_salt: bool,
-    share_lora: bool,
-) -> SimOutput:
-    """Run one policy at one capacity over `chunks` (record batches with `block_hashes` and the isolation
-    columns, in row order). `columns` holds the per-request arrays of the whole trace (keys empty);
-    `chunk_refs` is the most block references in one chunk."""
-    n_ids = int(min(capacity, columns.n_blocks.sum()) + chunk_refs + 1)
-    ids = BlockIds(n_ids)
-    longest = int(columns.n_blocks.max()) if columns.n_requests else 0
-    cache = carry_cls(n_ids, columns.tenant_names, capacity, longest)
-    out = SimOutput.empty(columns)
-    start = 0
-    for batch in chunks:
-        stop = start + batch.num_rows
-        hashes = fold_isolation(pa.Table.from_batches([batch]), use_salt=use_salt, share_lora=share_lora)
+class StreamReplay:
+    """One policy at one capacity over a trace given chunk by chunk, in row order: record batches with
+    `block_hashes` and the per-request columns (input_tokens, tenant, priority, arrival_s, and cache_salt,
+    lora for isolation). Sized up front from the trace's totals: `block_references` (all of them),
+    `chunk_refs` (the most in one chunk) and `longest` (the most in one request); `tenant_names` are all the
+    trace's tenants, so that tenant codes (and the evictor/victim matrix) agree across chunks."""
+
+    def __init__(
+        self,
+        carry_cls: type[Carry],
+        capacity: int,
+        *,
+        block_size: int,
+        tenant_names: list[str],
+        block_references: int,
+        chunk_refs: int,
+        longest: int,
+        vllm_cap: bool,
+        use_salt: bool,
+        share_lora: bool,
+    ):
+        n_ids = int(min(capacity, block_references) + chunk_refs + 1)
+        self.ids = BlockIds(n_ids)
+        self.cache = carry_cls(n_ids, tenant_names, capacity, longest)
+        self.evict_matrix = np.zeros((len(tenant_names), len(tenant_names)), np.int64)
+        self.block_size, self.tenant_names, self.vllm_cap = block_size, tenant_names, vllm_cap
+        self.use_salt, self.share_lora = use_salt, share_lora
+
+    def feed(self, chunk: pa.RecordBatch) -> tuple[SimOutput, PreparedTrace]:
+        """The next rows' answers (hit blocks, evictions; evict_matrix of these rows only, also summed into
+        `self.evict_matrix`) and the chunk as the policy saw it."""
+        table = pa.Table.from_batches([chunk])
+        hashes = fold_isolation(table, use_salt=self.use_salt, share_lora=self.share_lora)
         offsets = np.asarray(hashes.offsets, dtype=np.int64)
-        chunk = columns.rows(start, stop, keys=ids.assign(np.asarray(hashes.flatten())), offsets=offsets - offsets[0])
-        part = cache.feed(chunk)
-        out.hit_blocks[start:stop] = part.hit_blocks
-        out.evictions[start:stop] = part.evictions
-        out.evict_matrix += part.evict_matrix
-        ids.release(cache.cached())
-        start = stop
-    out.filled_at = int(cache.state[FILLED_AT])
-    return out
+        offsets = offsets - offsets[0]
+        prepared = prepare_requests(
+            table, self.block_size, np.diff(offsets), vllm_cap=self.vllm_cap, tenant_names=self.tenant_names
+        )
+        prepared.keys, prepared.offsets = self.ids.assign(np.asarray(hashes.flatten())), offsets
+        part = self.cache.feed(prepared)
+        self.evict_matrix += part.evict_matrix
+        self.ids.release(self.cache.cached())
+        return part, prepared
+
+    @property
+    def filled_at(self) -> int:
+        """First request index after which the cache was full; -1 if it has not filled yet."""
+        return int(self.cache.state[FILLED_AT])

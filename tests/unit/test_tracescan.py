@@ -2,13 +2,15 @@
 chunk agree with the whole-table path, whatever the chunking."""
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import ValidationFailed
-from kvbench.stats import infinite_cache_hits
+from kvbench.stats import hit_rates, infinite_cache_hits
 from kvbench.traceio import read_trace
-from kvbench.tracescan import block_references, scan_trace, trace_fingerprint
+from kvbench.tracescan import REPLAY_COLUMNS, block_references, scan_trace, trace_fingerprint
 from kvbench.validate import validate_table
 
 from ..conftest import REPO, make_trace
@@ -20,14 +22,31 @@ SAMPLES = sorted((REPO / "traces" / "samples").glob("*.parquet"))
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
 def test_scan_equals_whole_table(path):
     table, meta = read_trace(path)
-    scanned = scan_trace(path, chunk_rows=333)
+    scanned = scan_trace(path, chunk_rows=333, warmup=0.3)
     assert scanned.fingerprint == trace_fingerprint(table)
-    np.testing.assert_array_equal(scanned.infinite_hits, infinite_cache_hits(table.column("block_hashes")))
-    assert (
-        scanned.n_blocks.sum() == block_references(path) == len(table.column("block_hashes").combine_chunks().flatten())
+    hashes = table.column("block_hashes")
+    n_blocks = pc.list_value_length(hashes).to_numpy(zero_copy_only=False)
+    hits = infinite_cache_hits(hashes)
+    inp = table.column("input_tokens").to_numpy().astype(np.int64)
+    assert scanned.infinite_cache == hit_rates(hits, n_blocks, inp, meta.block_size, 0.3)
+    assert scanned.n_requests == table.num_rows
+    assert scanned.block_references == n_blocks.sum() == block_references(path)
+    assert scanned.longest == n_blocks.max()
+    tenants = table.column("tenant").cast(pa.string()).fill_null("(none)")
+    assert scanned.tenant_names == pc.unique(tenants).to_pylist()  # in order of first appearance
+    assert scanned.filled == {c for c in REPLAY_COLUMNS if table.column(c).null_count < table.num_rows}
+    assert scanned.requests is None and scanned.infinite_hits is None  # nothing per request by default
+    chunks = list(scanned.chunks())
+    assert [c.num_rows for c in chunks[:-1]] == [333] * (len(chunks) - 1)
+    assert scanned.chunk_refs == max(
+        int(pc.sum(pc.list_value_length(c.column("block_hashes"))).as_py()) for c in chunks
     )
-    assert scanned.requests.num_rows == table.num_rows
-    assert scanned.requests.column("request_id").to_pylist() == table.column("request_id").to_pylist()
+    assert pa.Table.from_batches(chunks).equals(table.select(["block_hashes", *REPLAY_COLUMNS]))
+
+    kept = scan_trace(path, chunk_rows=333, keep_requests=True)
+    np.testing.assert_array_equal(kept.infinite_hits, hits)
+    np.testing.assert_array_equal(kept.n_blocks, n_blocks)
+    assert kept.requests.column("request_id").to_pylist() == table.column("request_id").to_pylist()
 
 
 def test_violations_in_later_chunks_are_reported_like_the_whole_table(tmp_path):

@@ -1,13 +1,15 @@
-"""Streamed replay (ids recycled between chunks) gives exactly the in-memory kernels' results."""
+"""Streamed replay (ids recycled between chunks, tenants coded against the whole trace's names) gives exactly
+the in-memory kernels' results."""
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from kvbench.backends.sim import policies
 from kvbench.backends.sim.prepared import prepare, prepare_requests
-from kvbench.backends.sim.stream import replay_stream
+from kvbench.backends.sim.stream import StreamReplay
 
 from kvbench.traceio import read_trace
 
@@ -30,14 +32,42 @@ def test_stream_equals_in_memory(path, name, capacity):
     table, meta = read_trace(path)
     pol = policies.get(name)
     vllm_cap = name == "vllm"
-    whole = pol.kernel(prepare(table, meta.block_size, vllm_cap=vllm_cap), capacity)
-    n_blocks = pc.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False)
-    columns = prepare_requests(table, meta.block_size, n_blocks, vllm_cap=vllm_cap)
-    chunk_rows = 97  # many chunks, none aligned with anything in the trace
-    batches = table.to_batches(max_chunksize=chunk_rows)
-    chunk_refs = max(int(pc.sum(pc.list_value_length(b.column("block_hashes"))).as_py() or 0) for b in batches)
-    streamed = replay_stream(pol.carry, capacity, columns, iter(batches), chunk_refs, use_salt=True, share_lora=False)
-    np.testing.assert_array_equal(streamed.hit_blocks, whole.hit_blocks)
-    np.testing.assert_array_equal(streamed.evictions, whole.evictions)
-    np.testing.assert_array_equal(streamed.evict_matrix, whole.evict_matrix)
-    assert streamed.filled_at == whole.filled_at
+    prepared = prepare(table, meta.block_size, vllm_cap=vllm_cap)
+    whole = pol.kernel(prepared, capacity)
+    batches = table.to_batches(max_chunksize=97)  # many chunks, none aligned with anything in the trace
+    n_blocks = [pc.list_value_length(b.column("block_hashes")).to_numpy(zero_copy_only=False) for b in batches]
+    run = StreamReplay(
+        pol.carry,
+        capacity,
+        block_size=meta.block_size,
+        tenant_names=prepared.tenant_names,
+        block_references=int(sum(n.sum() for n in n_blocks)),
+        chunk_refs=int(max(n.sum() for n in n_blocks)),
+        longest=int(max(n.max(initial=0) for n in n_blocks)),
+        vllm_cap=vllm_cap,
+        use_salt=True,
+        share_lora=False,
+    )
+    parts = [run.feed(b) for b in batches]
+    for key in ("hit_blocks", "evictions"):
+        np.testing.assert_array_equal(np.concatenate([getattr(out, key) for out, _ in parts]), getattr(whole, key))
+    np.testing.assert_array_equal(np.concatenate([chunk.tenant for _, chunk in parts]), prepared.tenant)
+    np.testing.assert_array_equal(run.evict_matrix, whole.evict_matrix)
+    assert run.filled_at == whole.filled_at
+
+
+def test_tenant_codes_agree_across_chunks():
+    """A chunk with no tenant at all still codes its requests as "(none)" of the whole trace's names."""
+    table, meta = read_trace(REPO / "traces/samples/multi-tenant.parquet")
+    half = table.num_rows // 2
+    tenant = table.column("tenant").cast(pa.string()).combine_chunks()
+    tenant = pa.concat_arrays([tenant[:half], pa.nulls(table.num_rows - half, pa.string())])
+    table = table.set_column(table.schema.get_field_index("tenant"), "tenant", tenant)
+    prepared = prepare(table, meta.block_size)
+    assert prepared.tenant_names[-1] == "(none)"
+    chunks = [table.slice(0, half), table.slice(half)]
+    coded = [
+        prepare_requests(c, meta.block_size, np.zeros(c.num_rows), vllm_cap=False, tenant_names=prepared.tenant_names)
+        for c in chunks
+    ]
+    np.testing.assert_array_equal(np.concatenate([c.tenant for c in coded]), prepared.tenant)
