@@ -97,10 +97,12 @@ def run_replay(
     progress=None,
     report: bool = True,
     stream: bool | None = None,
+    resume: bool = False,
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
     are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
-    `stream`: replay in bounded memory, the trace read by row group (None: when the trace is large)."""
+    `stream`: replay in bounded memory, the trace read by row group (None: when the trace is large).
+    `resume` (live backends): continue the interrupted run in `out`, sending only what it did not answer."""
     trace_path = Path(trace_path)
     try:
         backend_cls = load_backend(backend_name)
@@ -108,6 +110,8 @@ def run_replay(
         raise KvbenchError(exc.args[0]) from None
     backend = backend_cls(**backend_options)
     online = is_online(backend)
+    if resume and not (online and out):
+        raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
     trace = _open_trace(trace_path, False if online else stream, warmup)
     meta, scanned = trace.meta, trace.scanned
     if scanned is not None and not hasattr(backend, "replay_stream"):
@@ -140,7 +144,7 @@ def run_replay(
     _write_summary(run_dir, summary)
     if online:
         try:
-            run_live(backend, trace.table, meta, run_dir, summary, warmup, progress)
+            run_live(backend, trace.table, meta, run_dir, summary, warmup, progress, resume=resume)
             summary["complete"] = True
         except KeyboardInterrupt:
             summary["interrupted"] = True

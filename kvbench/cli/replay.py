@@ -75,7 +75,13 @@ class ReplayCommand(click.Command):
     help="read the trace's block ids row group by row group, in bounded memory (sim: lru and vllm, no "
     "Belady bound) [default: stream traces of more than 60 million block references]",
 )
-def replay(trace_path, backend, out, warmup, as_json, report, stream, **backend_options):
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="live backends: continue the interrupted run in --out DIR; requests it answered (ok, error, timeout) "
+    "are kept, the rest are sent",
+)
+def replay(trace_path, backend, out, warmup, as_json, report, stream, resume, **backend_options):
     """Replay TRACE through a backend and write requests.parquet, summary.json and reports.
 
     Example: kvbench replay traces/samples/chat.parquet --policy lru,radix-lru --capacity 1000,3000,10000
@@ -115,6 +121,7 @@ def replay(trace_path, backend, out, warmup, as_json, report, stream, **backend_
             progress=progress,
             report=report,
             stream=stream,
+            resume=resume,
         )
     if as_json:
         click.echo(json.dumps(summary, indent=2))

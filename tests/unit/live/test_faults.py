@@ -91,3 +91,30 @@ def test_interrupted_run_keeps_a_readable_partial_result(fake_server, tmp_path, 
     statuses = rows.column("status").to_pylist()
     assert statuses.count("ok") >= 9 and set(statuses) <= {"ok", "cancelled", "not_sent"}
     assert json.loads((run_dir / "summary.json").read_text())["interrupted"]
+
+
+def test_resume_sends_only_what_an_interrupted_run_did_not_answer(fake_server, tmp_path):
+    srv = fake_server(itl_ms=2)
+    done = []
+
+    def progress(outcome):
+        done.append(outcome)
+        if len(done) == 12:
+            raise KeyboardInterrupt
+
+    opts = {"url": srv.url, "mode": "rate", "rate": 50.0, "max_requests": N}
+    out = tmp_path / "r"
+    _, first = run_replay(CHAT, "openai", opts, out=out, report=False, progress=progress)
+    assert first["interrupted"]
+    before = pq.read_table(out / "requests.parquet")
+    answered = before.filter(pc.equal(before.column("status"), "ok"))
+    received = srv.server.received
+    run_dir, summary = run_replay(CHAT, "openai", opts, out=out, report=False, resume=True)
+    rows = pq.read_table(run_dir / "requests.parquet")
+    assert rows.num_rows == N and set(rows.column("status").to_pylist()) == {"ok"}
+    assert sorted(rows.column("request_id").to_pylist()) == sorted(before.column("request_id").to_pylist())
+    assert srv.server.received - received == N - answered.num_rows  # answered requests were not sent again
+    kept = rows.filter(pc.is_in(rows.column("request_id"), answered.column("request_id")))
+    assert sorted(kept.column("ttft_s").to_pylist()) == sorted(answered.column("ttft_s").to_pylist())
+    assert summary["resumed_requests"] == answered.num_rows and summary["complete"]
+    assert summary["points"][0]["latency"]["requests"]["ok"] == N
