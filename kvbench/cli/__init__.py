@@ -39,10 +39,14 @@ def main() -> None:
     """
 
 
-from .engine import engine  # noqa: E402  (attach subcommands after `main` exists)
+from .audit import audit  # noqa: E402  (attach subcommands after `main` exists)
+from .compare import compare  # noqa: E402
+from .engine import engine  # noqa: E402
 from .replay import replay  # noqa: E402
 from .trace import trace  # noqa: E402
 
 main.add_command(trace)
 main.add_command(replay)
 main.add_command(engine)
+main.add_command(audit)
+main.add_command(compare)

