@@ -170,3 +170,31 @@ def test_salts_isolate_tenants(vllm, traces, tmp_path):
     a = pq.read_table(with_salt / "requests.parquet").column("cached_tokens").to_numpy()
     b = pq.read_table(without / "requests.parquet").column("cached_tokens").to_numpy()
     assert np.all(a <= b) and a.sum() < b.sum()
+
+
+SMALL_CACHE_BLOCKS = 320
+
+
+@pytest.fixture(scope="module")
+def small_vllm(vllm):
+    """The engine restarted with a cache of SMALL_CACHE_BLOCKS blocks (it evicts), then put back as it was."""
+    settings = dict(vllm.settings)
+    small = engines.up(
+        "vllm-cpu", restart=True, **{**settings, "engine_args": f"--num-gpu-blocks-override {SMALL_CACHE_BLOCKS}"}
+    )
+    yield small
+    engines.up("vllm-cpu", restart=True, **settings)
+
+
+@pytest.mark.parametrize(("kind", "n"), [("chat", 80), ("agent", N)])
+def test_small_cache_matches_the_vllm_policy(small_vllm, traces, tmp_path, kind, n):
+    """With evictions. The simulator gets the engine's block count less 2: vLLM's null block, and the block
+    the running request's partial tail (or its first output token) occupies while it runs."""
+    run_dir, _ = live(traces[kind], small_vllm, tmp_path / "live", max_requests=n)
+    rows = pq.read_table(run_dir / "requests.parquet")
+    assert set(rows.column("status").to_pylist()) == {"ok"}
+    expect = predicted(traces[kind], small_vllm.block_size, SMALL_CACHE_BLOCKS - 2, tmp_path / "sim", tmp_path)
+    got = dict(zip(rows.column("request_id").to_pylist(), rows.column("cached_tokens").to_pylist()))
+    assert got == {rid: expect[rid] for rid in got}
+    sim = pq.read_table(tmp_path / "sim" / "requests.parquet")
+    assert pc.sum(sim.column("evictions")).as_py() > 0  # the cache really was too small
