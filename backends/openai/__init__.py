@@ -83,6 +83,13 @@ class OpenAIBackend:
                 "prefix-cache checks need no long decodes",
             ),
             click.Option(
+                ["--send-lora/--no-send-lora"],
+                default=True,
+                show_default=True,
+                help="ask for the request's LoRA adapter as the model; --no-send-lora sends every request to the "
+                "base model (simulate it with --share-lora-kv)",
+            ),
+            click.Option(
                 ["--reset-prefix-cache"],
                 is_flag=True,
                 help="POST /reset_prefix_cache before the run (vLLM with VLLM_SERVER_DEV_MODE=1, SGLang "
