@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -107,11 +108,17 @@ def run_live(
     written: set[int] = set(kept)
     last_flush = time.monotonic()
 
+    # Writing (Arrow conversion, compression, disk) happens on one worker thread: done on the event loop it
+    # stalls sends for 5-30 ms per flush, which shows up as schedule lag.
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbench-results")
+    writes = []
+
     def flush() -> None:
         nonlocal last_flush
         if pending:
-            _write(writer, table, pending, meta.block_size)
-            written.update(o.row for o in pending)
+            batch = list(pending)
+            writes.append(background.submit(_write, writer, table, batch, meta.block_size))
+            written.update(o.row for o in batch)
             pending.clear()
         last_flush = time.monotonic()
 
@@ -140,6 +147,9 @@ def run_live(
         interrupted = True
     finally:
         flush()
+        background.shutdown(wait=True)  # every submitted write lands before the last ones
+        for w in writes:
+            w.result()  # a failed write (disk full…) is an error, never silently missing rows
         # requests never sent (or still waiting when the run stopped) are recorded too: nothing is lost
         rest = [o for o in outcomes if o.row not in written]
         if rest:

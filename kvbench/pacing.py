@@ -199,13 +199,27 @@ async def dispatch(
             finished(i)
 
     def start(i: int, at: float) -> None:
+        """Run request i at time `at`: a task now if it is due, else a timer that creates it then (tasks are
+        never made ahead: making thousands at once stalls the loop and delays the first sends)."""
         outcomes[i].scheduled_s = at
         if stop_at is not None and at > stop_at:
             finished(i)
             return
-        task = loop.create_task(_at(at, now, run(i)))
+        delay = at - now()
+        if delay > 0:
+            loop.call_later(delay, launch, i)
+            pending_timers[0] += 1
+        else:
+            launch(i, timer=False)
+
+    def launch(i: int, timer: bool = True) -> None:
+        if timer:
+            pending_timers[0] -= 1
+        task = loop.create_task(run(i))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+
+    pending_timers = [0]
 
     if pacing.mode == "sessions":
         preds = predecessors(table.slice(0, n))
@@ -231,33 +245,33 @@ async def dispatch(
                 all_done.set()
 
         roots = [i for i in range(n) if not preds[i]]
-        for i in roots:
-            start(i, float(ready[i]))
         if n:
-            await _until(all_done, tasks)
+            sender = loop.create_task(_send_in_order(roots, ready[roots], start, now))
+            try:
+                await all_done.wait()
+            finally:
+                sender.cancel()
+                for t in list(tasks):
+                    t.cancel()
     else:
 
         def finished(i: int) -> None:
             pass
 
-        offsets = open_loop_offsets(arrival, pacing)
-        for i in range(n):
-            start(i, t0 + float(offsets[i]))
-        while tasks:
-            await asyncio.wait(set(tasks))
+        offsets = t0 + open_loop_offsets(arrival, pacing)
+        await _send_in_order(range(n), offsets, start, now)
+        while tasks or pending_timers[0]:
+            if tasks:
+                await asyncio.wait(set(tasks))
+            else:
+                await asyncio.sleep(0.001)
 
 
-async def _at(at: float, now: Callable[[], float], coro) -> None:
-    """Run `coro` at time `at` (absolute, so that sleeps never accumulate drift)."""
-    delay = at - now()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    await coro
-
-
-async def _until(event: asyncio.Event, tasks: set[asyncio.Task]) -> None:
-    try:
-        await event.wait()
-    finally:
-        for t in list(tasks):
-            t.cancel()
+async def _send_in_order(rows, at, start, now) -> None:
+    """Start each row at its time, sleeping to absolute targets (no accumulated drift); requests that are
+    due within a millisecond go together, so that a burst costs one wake-up."""
+    for i, t in zip(rows, at):
+        delay = float(t) - now()
+        if delay > 1e-3:
+            await asyncio.sleep(delay)
+        start(i, float(t))

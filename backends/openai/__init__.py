@@ -19,10 +19,12 @@ import pyarrow as pa
 from kvbench.errors import KvbenchError
 from kvbench.latency import parse_slo
 from kvbench.pacing import Outcome, Pacing
-from kvbench.prompts import prompt_tokens, words
+from kvbench.prompts import words
 from kvbench.traceio import TraceMeta
 
 DEFAULT_VOCAB = 4096
+PROMPT_BATCH = 512  # requests whose prompts are synthesised together
+PROMPT_BATCHES_KEPT = 8
 
 
 class OpenAIBackend:
@@ -208,13 +210,30 @@ class OpenAIBackend:
             return (c.cast(pa.string()) if pa.types.is_dictionary(c.type) else c).to_pylist()
 
         self._salt, self._lora, self._mm = col("cache_salt"), col("lora"), col("mm_items")
+        self._batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _tokens(self, row: int) -> np.ndarray:
+        """Token ids of row `row`, synthesised PROMPT_BATCH rows at a time (one vectorised pass instead of a
+        dozen small numpy calls per request, which cost ~0.2 ms each on the event loop)."""
+        from kvbench.prompts import overlay_media, prompt_tokens_batch
+
+        batch = row // PROMPT_BATCH
+        if batch not in self._batches:
+            lo, hi = batch * PROMPT_BATCH, min((batch + 1) * PROMPT_BATCH, len(self._inp))
+            first = self._offsets[lo:hi] - self._offsets[0]
+            self._batches[batch] = prompt_tokens_batch(self._flat, first, self._inp[lo:hi], self._bs, self.vocab)
+            if len(self._batches) > PROMPT_BATCHES_KEPT:  # closed-loop sessions send out of order: keep a few
+                self._batches.pop(next(iter(self._batches)))
+        tokens, starts = self._batches[batch]
+        i = row - batch * PROMPT_BATCH
+        out = tokens[starts[i] : starts[i + 1]]
+        return overlay_media(out.copy(), self._mm[row], self.vocab) if self._mm[row] else out
 
     def payload(self, row: int) -> bytes:
         """The request body of trace row `row`, JSON-encoded (orjson: the prompt is thousands of ids)."""
         import orjson
 
-        lo, hi = self._offsets[row] - self._offsets[0], self._offsets[row + 1] - self._offsets[0]
-        tokens = prompt_tokens(self._flat[lo:hi], int(self._inp[row]), self._bs, self.vocab, self._mm[row])
+        tokens = self._tokens(row)
         body = {
             "model": (self._lora[row] if self.send_lora else None) or self.model,
             "max_tokens": max(min(int(self._out[row]), self.max_output_tokens or 1 << 30), 1),

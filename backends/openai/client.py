@@ -25,7 +25,7 @@ class OpenAIClient:
     def __init__(self, url: str, *, endpoint: str, timeout_s: float, api_key: str | None, origin: float):
         self.url = url.rstrip("/") + ENDPOINTS[endpoint]
         self.endpoint = endpoint
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 10))
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.origin = origin  # perf_counter value of the run's start: Outcome times are relative to it
         self.session: aiohttp.ClientSession | None = None

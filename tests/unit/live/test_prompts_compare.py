@@ -99,3 +99,16 @@ def test_compare_shows_the_fidelity_gap(fake_server, tmp_path):
     assert fid["requests compared"] == 200 and fid["requests equal"] == 1.0
     text = subprocess.run(["kvbench", "compare", live, sim], capture_output=True, text=True).stdout
     assert "Fidelity: predicted vs measured" in text and "| openai | live |" in text
+
+
+def test_batched_synthesis_equals_per_request():
+    from kvbench.prompts import prompt_tokens_batch
+
+    table, meta = read_trace(CHAT)
+    table = table.slice(100, 300)
+    hashes = table.column("block_hashes").combine_chunks()
+    offsets = np.asarray(hashes.offsets) - hashes.offsets[0].as_py()
+    flat = np.asarray(hashes.flatten())
+    tokens, starts = prompt_tokens_batch(flat, offsets[:-1], table.column("input_tokens").to_numpy(), 64, 4096)
+    for r, p in enumerate(_prompts(table, meta.block_size)):
+        assert np.array_equal(tokens[starts[r] : starts[r + 1]], p)
