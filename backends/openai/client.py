@@ -5,10 +5,10 @@ on and every request is accounted for."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
+import orjson
 
 from kvbench.pacing import Outcome
 
@@ -78,8 +78,8 @@ class OpenAIClient:
                 done = True
                 break
             try:
-                chunk = json.loads(data)
-            except ValueError:
+                chunk = orjson.loads(data)  # one parse per streamed token: orjson is ~3x faster than json
+            except orjson.JSONDecodeError:
                 raise StreamError(f"malformed SSE data: {data[:80]!r}") from None
             if "error" in chunk and not chunk.get("choices"):
                 raise StreamError(f"server error in stream: {str(chunk['error'])[:ERROR_TEXT]}")
