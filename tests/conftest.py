@@ -2,6 +2,9 @@ import math
 import os
 from pathlib import Path
 
+# Imported up front: when a run used no hypothesis test, the hypothesis plugin imported it at the very end,
+# and CPython 3.11.7's parser crashed there ("AST constructor recursion depth mismatch").
+import hypothesis  # noqa: F401
 import pyarrow as pa
 import pytest
 
