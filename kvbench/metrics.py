@@ -70,21 +70,24 @@ class _GroupSums:
         self.sums: dict[str, np.ndarray] = {}
 
     def add(self, labels, input_tokens: np.ndarray, hit_tokens: np.ndarray, steady: np.ndarray) -> None:
-        import polars as pl  # loaded on use: the CLI starts faster without it
-
-        frame = pl.DataFrame(
-            {
-                "name": pl.Series(_text(labels).fill_null(NO_LABEL), dtype=pl.Utf8),
-                "inp": input_tokens,
-                "hit": hit_tokens,
-                "s_inp": np.where(steady, input_tokens, 0),
-                "s_hit": np.where(steady, hit_tokens, 0),
-            }
+        # pyarrow's dictionary encoding + numpy bincount: no polars import (0.35 s) on the common path
+        encoded = pc.dictionary_encode(_text(labels).fill_null(NO_LABEL))
+        if isinstance(encoded, pa.ChunkedArray):
+            encoded = encoded.unify_dictionaries().combine_chunks()
+        codes = np.asarray(encoded.indices, dtype=np.int64)
+        k = len(encoded.dictionary)
+        inp = np.asarray(input_tokens, dtype=np.int64)
+        hit = np.asarray(hit_tokens, dtype=np.int64)
+        columns = (
+            np.bincount(codes, minlength=k),
+            np.bincount(codes, inp, minlength=k),
+            np.bincount(codes, hit, minlength=k),
+            np.bincount(codes, np.where(steady, inp, 0), minlength=k),
+            np.bincount(codes, np.where(steady, hit, 0), minlength=k),
         )
-        grouped = frame.group_by("name").agg(pl.len(), pl.col("inp", "hit", "s_inp", "s_hit").sum())
-        for name, *values in grouped.iter_rows():
+        for i, name in enumerate(encoded.dictionary.to_pylist()):
             row = self.sums.setdefault(name, np.zeros(5, dtype=object))
-            row += values
+            row += [int(round(c[i])) for c in columns]
 
     def result(self) -> list[dict]:
         """Hit rate per label, all requests and steady state, largest input share first (ties by name)."""

@@ -178,23 +178,29 @@ class References:
     """What the rules across rows look at, with ids as 64-bit hashes (a 10M-row trace keeps 80 MB, not its
     ids' text): every request's id, and the rows that name other requests."""
 
-    ids: np.ndarray  # uint64: hash of request_id of every row
+    ids: np.ndarray | pa.Array  # request_id of every row: uint64 hashes, or the text (`hashed=False`)
     parent_rows: np.ndarray
-    parents: np.ndarray  # uint64: hash of parent_id of those rows
+    parents: np.ndarray | pa.Array  # parent_id of those rows, the same way
     dep_rows: np.ndarray  # one entry per depends_on element
-    deps: np.ndarray
+    deps: np.ndarray | pa.Array
 
     @classmethod
-    def of(cls, t: pa.Table, first_row: int = 0) -> References:
+    def of(cls, t: pa.Table, first_row: int = 0, hashed: bool = True) -> References:
+        """`hashed=False` keeps the ids' text: exact, and no hashing (nor polars import) for a trace that is
+        in memory anyway."""
         parent = t.column("parent_id").combine_chunks()
         has_parent = np.flatnonzero(_np(parent.is_valid(), False))
         deps = t.column("depends_on").combine_chunks()
+
+        def ids(values):
+            return _id_hashes(values) if hashed else pa.array(values.fill_null("")).cast(pa.string())
+
         return cls(
-            ids=_id_hashes(t.column("request_id")),
+            ids=ids(t.column("request_id").combine_chunks()),
             parent_rows=has_parent + first_row,
-            parents=_id_hashes(parent.take(pa.array(has_parent))),
+            parents=ids(parent.take(pa.array(has_parent))),
             dep_rows=np.asarray(pc.list_parent_indices(deps), dtype=np.int64) + first_row,
-            deps=_id_hashes(pc.list_flatten(deps)),
+            deps=ids(pc.list_flatten(deps)),
         )
 
     @classmethod
@@ -206,21 +212,27 @@ class References:
         return cls(*(cat(n, np.uint64 if n in ("ids", "parents", "deps") else np.int64) for n in names))
 
 
+def _repeated(values: pa.Array) -> np.ndarray:
+    """True where an earlier element has the same value (index_in finds each value's first position)."""
+    return _np(pc.index_in(values, value_set=values), -1) != np.arange(len(values))
+
+
 def check_across_rows(refs: References, report: ValidationReport, id_text=None) -> None:
     """Rules that relate rows: unique request ids, parent_id and depends_on naming requests of the trace, no
     dependency cycles. `id_text(rows) -> list[str]` gives the ids of some rows, to tell a real duplicate
     from two ids whose hashes collide (odds ~1e-6 on 10M rows); without it hashes are trusted."""
-    import polars as pl  # loaded on use: the CLI starts faster without it
-
     report.first_row = 0
-    repeated = ~pl.Series(refs.ids).is_first_distinct().to_numpy()
-    if repeated.any() and id_text is not None:
-        suspects = np.flatnonzero(pl.Series(refs.ids).is_duplicated().to_numpy())
-        text = pl.Series(id_text(suspects))
-        repeated[:] = False
-        repeated[suspects[~text.is_first_distinct().to_numpy()]] = True
-    report.add("request_id", "duplicate request_id (an earlier row has the same id)", repeated)
     ids = pa.array(refs.ids)
+    repeated = _repeated(ids)
+    if repeated.any() and id_text is not None:
+        # rows whose hash occurs more than once (the first occurrences included), checked on their text
+        first = _np(pc.index_in(ids, value_set=ids), 0)
+        shared = np.zeros(len(ids), bool)
+        shared[first[repeated]] = True
+        suspects = np.flatnonzero(shared | repeated)
+        repeated[:] = False
+        repeated[suspects[_repeated(pa.array(id_text(suspects)))]] = True
+    report.add("request_id", "duplicate request_id (an earlier row has the same id)", repeated)
     if len(refs.parents):
         found = pc.index_in(pa.array(refs.parents), value_set=ids)
         dangling = refs.parent_rows[_np(found.is_null(), False)]
@@ -291,8 +303,7 @@ def validate_table(table: pa.Table, block_size: int, source: str = "<table>") ->
         return report
     typed = check_rows(table, block_size, report)
     if typed is not None:
-        ids = typed.column("request_id")
-        check_across_rows(References.of(typed), report, lambda rows: ids.take(pa.array(rows)).to_pylist())
+        check_across_rows(References.of(typed, hashed=False), report)
     return report
 
 
