@@ -40,6 +40,7 @@ class SimOutput:
 # Layout of the int64 `state` array that resumable kernels carry from one chunk of a trace to the next.
 STARTED, SIZE, TAIL, FILLED_AT, FIRST_REQUEST = range(5)
 STATE_FIELDS = 5
+UNCACHED = np.uint32(0xFFFFFFFF)  # `link` value of a key that is not cached (the kernels' _NONE)
 
 
 class Carry:
@@ -62,8 +63,10 @@ class Carry:
     def feed(self, chunk: PreparedTrace) -> SimOutput:  # the next requests, in order
         raise NotImplementedError
 
-    def cached(self) -> np.ndarray:  # bool[n_ids]
-        raise NotImplementedError
+    def cached(self) -> np.ndarray:
+        """bool[n_ids]. The compiled carries keep their recency list in `self.link` (prev of key k at 2k,
+        UNCACHED when k is not cached); a carry with other state overrides this."""
+        return self.link[0 : 2 * self.n_ids : 2] != UNCACHED
 
     @classmethod
     def run(cls, trace: PreparedTrace, capacity: int, options=None) -> SimOutput:

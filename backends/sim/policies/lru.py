@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._compiled import SIM_OUT, i4, i8, kernel_fn
-from . import FILLED_AT, FIRST_REQUEST, SIZE, STARTED, TAIL, Carry, SimOutput, policy
+from . import FILLED_AT, FIRST_REQUEST, SIZE, STARTED, TAIL, UNCACHED, Carry, SimOutput, policy
 from ._reference import PrefixCache
 
 
@@ -37,7 +37,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _LruReference(trace, capacity, options).run()
 
 
-_NONE = np.uint32(0xFFFFFFFF)
+_NONE = UNCACHED
 
 
 @kernel_fn(SIM_OUT + "(u4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i8, u4[::1], i4[::1], i8[:])")
@@ -137,9 +137,6 @@ class LruCache(Carry):
             self.state,
         )
         return SimOutput(*out)
-
-    def cached(self) -> np.ndarray:
-        return self.link[0 : 2 * self.n_ids : 2] != _NONE
 
 
 @policy("lru", reference=reference, stack=True, carry=LruCache)

@@ -35,7 +35,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._compiled import SIM_OUT, i4, i8, kernel_fn
-from . import FILLED_AT, FIRST_REQUEST, SIZE, STARTED, Carry, SimOutput, policy
+from . import FILLED_AT, FIRST_REQUEST, SIZE, STARTED, UNCACHED, Carry, SimOutput, policy
 from ._reference import PrefixCache
 
 
@@ -83,7 +83,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _VllmReference(trace, capacity, options).run()
 
 
-_NONE = np.uint32(0xFFFFFFFF)  # prev of a key that is not cached
+_NONE = UNCACHED  # prev of a key that is not cached
 _HELD = np.uint32(0xFFFFFFFE)  # prev of a key held by the running request
 
 
@@ -204,9 +204,6 @@ class VllmBlockPool(Carry):
             self.state,
         )
         return SimOutput(*out)
-
-    def cached(self) -> np.ndarray:
-        return self.link[0 : 2 * self.n_ids : 2] != _NONE
 
 
 @policy("vllm", reference=reference, stack=True, carry=VllmBlockPool)
