@@ -198,15 +198,15 @@ async def dispatch(
                 on_done(o)
             finished(i)
 
-    def start(i: int, at: float) -> None:
-        """Run request i at time `at`: a task now if it is due, else a timer that creates it then (tasks are
+    def start(i: int, at: float, due: bool = False) -> None:
+        """Run request i at time `at`: a task now if it is `due`, else a timer that creates it then (tasks are
         never made ahead: making thousands at once stalls the loop and delays the first sends)."""
         outcomes[i].scheduled_s = at
         if stop_at is not None and at > stop_at:
             finished(i)
             return
         delay = at - now()
-        if delay > 0:
+        if delay > 0 and not due:
             loop.call_later(delay, launch, i)
             pending_timers[0] += 1
         else:
@@ -268,10 +268,11 @@ async def dispatch(
 
 
 async def _send_in_order(rows, at, start, now) -> None:
-    """Start each row at its time, sleeping to absolute targets (no accumulated drift); requests that are
-    due within a millisecond go together, so that a burst costs one wake-up."""
+    """Start each row at its time, sleeping to absolute targets (no accumulated drift), and launch it
+    directly, never through a timer: a timer that fires late would let the next row overtake it, and the
+    order of requests is what a cache hit depends on. A burst of rows already due costs no wake-up."""
     for i, t in zip(rows, at):
         delay = float(t) - now()
-        if delay > 1e-3:
+        if delay > 0:
             await asyncio.sleep(delay)
-        start(i, float(t))
+        start(i, float(t), due=True)
