@@ -13,6 +13,9 @@ An offline backend that can replay a trace in bounded memory (`kvbench replay --
 configuration point, which the runner feeds the trace chunk by chunk. The runner reads the chunks and owns
 what is made of the answers (requests.parquet, the summary's metrics), so nothing per request outlives its
 chunk, whatever the length of the trace.
+
+An offline backend that takes part in `kvbench demo` has a classmethod `demo_options(trace, meta) -> dict`:
+the options (as `kvbench replay` would pass them) of a small, telling grid for that trace.
 """
 
 from __future__ import annotations

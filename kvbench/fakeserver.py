@@ -35,6 +35,7 @@ class FakeServer:
         self.ignore_salt = ignore_salt  # behave like llama.cpp, which shares its cache whatever the salt
         self.cache: set[int] = set()
         self.received = 0
+        self.running = 0
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "queries": 0, "hits": 0, "requests": 0}
 
     def app(self) -> web.Application:
@@ -65,6 +66,10 @@ class FakeServer:
             f'vllm:prefix_cache_queries_total{{model_name="fake"}} {c["queries"]}',
             f'vllm:prefix_cache_hits_total{{model_name="fake"}} {c["hits"]}',
             f'vllm:request_success_total{{model_name="fake"}} {c["requests"]}',
+            # gauges: the fake cache never evicts, so usage is its size over a nominal 65,536 blocks
+            f'vllm:kv_cache_usage_perc{{model_name="fake"}} {min(1.0, len(self.cache) / 65536)}',
+            f'vllm:num_requests_running{{model_name="fake"}} {self.running}',
+            f'vllm:num_requests_waiting{{model_name="fake"}} 0',
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -83,6 +88,13 @@ class FakeServer:
         return hit
 
     async def complete(self, request: web.Request):
+        self.running += 1
+        try:
+            return await self._complete(request)
+        finally:
+            self.running -= 1
+
+    async def _complete(self, request: web.Request):
         n = self.received
         self.received += 1
         fault = self.fault(n)

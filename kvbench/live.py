@@ -185,5 +185,6 @@ def _point_summary(backend, table: pa.Table, meta, outcomes: list[Outcome], warm
         "prompt_tokens_mismatch": mismatched,
         "latency": latency,
         "server_counters": reconcile(server.get("counters_before"), server.get("counters_after"), reported),
+        "server_timeline": server.get("timeline") or None,
         "model": extra.get("model"),
     }

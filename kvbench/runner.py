@@ -149,7 +149,7 @@ def run_replay(
         except KeyboardInterrupt:
             summary["interrupted"] = True
         finally:
-            _finish(run_dir, summary, report)
+            _finish(run_dir, summary, report, trace.table)
         return run_dir, summary
     writer = ResultWriter(run_dir / "requests.parquet")
     try:
@@ -177,11 +177,11 @@ def run_replay(
         summary["interrupted"] = True
     finally:
         writer.close()
-        _finish(run_dir, summary, report)
+        _finish(run_dir, summary, report, trace.table if scanned is None else None)
     return run_dir, summary
 
 
-def _finish(run_dir: Path, summary: dict, report: bool) -> None:
+def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:
     if len(summary["points"]) == 1:  # a single point's metrics are also the run's top-level keys
         only = summary["points"][0]
         for key in ("hit_rate", "evictions", "fairness", "by_tenant", "by_workload", "by_modality", "latency"):
@@ -191,7 +191,7 @@ def _finish(run_dir: Path, summary: dict, report: bool) -> None:
     if report:
         from .report import write_reports
 
-        write_reports(run_dir, summary)
+        write_reports(run_dir, summary, trace)
 
 
 def _write_summary(run_dir: Path, summary: dict) -> None:

@@ -11,6 +11,8 @@ Counter names per engine (sample names as exposed; checked against each engine's
 
 from __future__ import annotations
 
+import asyncio
+
 COUNTERS = {
     "prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total", "llamacpp:prompt_tokens_total"),
     "cached_tokens": (
@@ -22,6 +24,13 @@ COUNTERS = {
     "prefix_cache_hits": ("vllm:prefix_cache_hits_total",),
     "requests": ("vllm:request_success_total", "sglang:num_requests_total"),
 }
+# Gauges polled during a run for the report's timeline (KV usage as a 0-1 fraction of the engine's cache).
+GAUGES = {
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage", "llamacpp:kv_cache_usage_ratio"),
+    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing"),
+    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred"),
+}
+POLL_SECONDS = 1.0
 AGREE_WITHIN = 0.01  # relative difference above which per-request sums and counters are flagged
 
 
@@ -36,10 +45,10 @@ def parse(text: str) -> dict[str, float]:
     return totals
 
 
-def counters(samples: dict[str, float]) -> dict[str, float]:
-    """The known counters present in a scrape, by kvbench name."""
+def counters(samples: dict[str, float], known: dict = COUNTERS) -> dict[str, float]:
+    """The known counters (or gauges) present in a scrape, by kvbench name."""
     out = {}
-    for key, names in COUNTERS.items():
+    for key, names in known.items():
         for name in names:
             if name in samples:
                 out[key] = samples[name]
@@ -47,15 +56,31 @@ def counters(samples: dict[str, float]) -> dict[str, float]:
     return out
 
 
-async def scrape(session, base_url: str) -> dict[str, float] | None:
-    """Counters from `base_url`/metrics, or None when the server has no metrics endpoint."""
+async def scrape(session, base_url: str, known: dict = COUNTERS) -> dict[str, float] | None:
+    """Counters (or gauges) from `base_url`/metrics, or None when the server has no metrics endpoint."""
     try:
         async with session.get(base_url.rstrip("/") + "/metrics") as resp:
             if resp.status != 200:
                 return None
-            return counters(parse(await resp.text()))
+            text = await resp.text()
+        # parsing a large page takes milliseconds: off the event loop, so that sends are not delayed
+        return counters(await asyncio.to_thread(parse, text), known)
     except Exception:  # noqa: BLE001 - a server without /metrics (or a dead one) is reported, not fatal
         return None
+
+
+async def poll_gauges(session, base_url: str, now, timeline: dict[str, list]) -> None:
+    """Append the GAUGES to `timeline` (t_s from `now()`, plus one list per gauge) every POLL_SECONDS until
+    cancelled; stops at once on a server without them."""
+    while True:
+        t = now()
+        values = await scrape(session, base_url, GAUGES)
+        if not values:
+            return
+        timeline.setdefault("t_s", []).append(round(t, 3))
+        for key in GAUGES:
+            timeline.setdefault(key, []).append(values.get(key))
+        await asyncio.sleep(max(0.0, POLL_SECONDS - (now() - t)))
 
 
 def reconcile(before: dict | None, after: dict | None, reported: dict[str, int]) -> dict:

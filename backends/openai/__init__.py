@@ -9,8 +9,10 @@ has one. The API key is read from an environment variable and never written anyw
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import time
 
 import click
 import numpy as np
@@ -154,7 +156,7 @@ class OpenAIBackend:
     @contextlib.asynccontextmanager
     async def connect(self, trace: pa.Table, meta: TraceMeta, origin: float):
         """Open the client for a run: resolve the model, read the server's counters before the run."""
-        from kvbench.servercounters import scrape
+        from kvbench.servercounters import poll_gauges, scrape
 
         from .client import OpenAIClient
 
@@ -169,9 +171,13 @@ class OpenAIBackend:
             if self.reset_prefix_cache:
                 await self._reset(client)
             self.server["counters_before"] = await scrape(client.session, self.url)
+            timeline = self.server.setdefault("timeline", {})
+            now = lambda: time.perf_counter() - origin  # noqa: E731
+            poller = asyncio.get_running_loop().create_task(poll_gauges(client.session, self.url, now, timeline))
             try:
                 yield self
             finally:
+                poller.cancel()
                 self.server["counters_after"] = await scrape(client.session, self.url)
 
     async def _reset(self, client) -> None:

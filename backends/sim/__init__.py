@@ -120,6 +120,19 @@ class SimBackend:
                     )
         return opts
 
+    DEMO_POLICIES = "lru,radix-lru,s3fifo,vllm"
+    DEMO_CAPACITY_SHARES = (0.05, 0.2, 0.5)  # of the trace's distinct blocks: tight, middling, roomy
+
+    @classmethod
+    def demo_options(cls, trace: pa.Table, meta: TraceMeta) -> dict:
+        """`kvbench demo`: four policies at three cache sizes relative to the trace's working set, the
+        Belady bound beside them, and the one-pass LRU curve."""
+        import pyarrow.compute as pc
+
+        unique = pc.count_distinct(pc.list_flatten(trace.column("block_hashes"))).as_py()
+        caps = sorted({max(16, int(unique * s)) for s in cls.DEMO_CAPACITY_SHARES})
+        return {"policy": cls.DEMO_POLICIES, "capacity": ",".join(map(str, caps)), "curve": True}
+
     def __init__(
         self,
         policy="lru",

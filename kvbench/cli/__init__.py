@@ -41,8 +41,10 @@ def main() -> None:
 
 from .audit import audit  # noqa: E402  (attach subcommands after `main` exists)
 from .compare import compare  # noqa: E402
+from .demo import demo  # noqa: E402
 from .engine import engine  # noqa: E402
 from .replay import replay  # noqa: E402
+from .report import report  # noqa: E402
 from .trace import trace  # noqa: E402
 
 main.add_command(trace)
@@ -50,3 +52,5 @@ main.add_command(replay)
 main.add_command(engine)
 main.add_command(audit)
 main.add_command(compare)
+main.add_command(report)
+main.add_command(demo)

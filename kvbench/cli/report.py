@@ -1,0 +1,43 @@
+"""`kvbench report RUN…`: (re)write report.md and report.html of run directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import KvbenchError
+from .render import console
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="the trace the run replayed, for the sections that need block hashes and sessions (trace "
+    "characterisation, agent tasks) [default: the path recorded in summary.json, when it still exists]",
+)
+def report(runs, trace_path):
+    """Write report.md and the self-contained report.html of each run directory from its summary.json and
+    requests.parquet (after an interrupted run, or with a newer kvbench)."""
+    from ..report import write_reports
+    from ..traceio import read_trace
+
+    for run in runs:
+        summary_path = run / "summary.json"
+        if not summary_path.exists():
+            raise KvbenchError(f"{run}: no summary.json; give a directory made by kvbench replay")
+        try:
+            summary = json.loads(summary_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise KvbenchError(f"{summary_path}: not valid JSON ({exc})") from None
+        path = trace_path or Path(summary["trace"]["path"])
+        trace = None
+        if path.exists() and not summary["trace"].get("streamed"):
+            trace, _ = read_trace(path)
+        with console.status(f"rendering {run}"):
+            write_reports(run, summary, trace)
+        click.echo(f"{run}/report.html")

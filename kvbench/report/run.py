@@ -1,0 +1,100 @@
+"""A run's report.md and self-contained report.html, made from its summary.json and requests.parquet (and the
+trace, when at hand, for the sections that need block hashes or sessions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
+from .page import Section, Table, num, pct, render_html, render_markdown
+from .timing import latency_sections, timeline_section
+from .workload import agent_section, characterisation_section
+
+MAX_REPORT_ROWS = 2_000_000  # per-request plots read at most this many rows: a report of a huge run stays quick
+
+
+def load_requests(path: Path, limit: int = MAX_REPORT_ROWS) -> tuple[pa.Table | None, bool]:
+    """(the first `limit` rows of requests.parquet, whether it has more), or (None, False) if it is missing."""
+    if not path.exists():
+        return None, False
+    f = pq.ParquetFile(path)
+    if f.metadata.num_rows <= limit:
+        return f.read(), False
+    batches, n = [], 0
+    for batch in f.iter_batches(batch_size=min(limit, 1 << 18)):
+        batches.append(batch.slice(0, limit - n))
+        n += batches[-1].num_rows
+        if n >= limit:
+            break
+    return pa.Table.from_batches(batches), True
+
+
+def _no_path(value) -> str:
+    """A config value as text, file paths cut to their name: a report is shared, the machine's layout isn't."""
+    text = str(value)
+    return Path(text).name if text.startswith(("/", "~")) else text
+
+
+def run_section(summary: dict, truncated: bool) -> Section:
+    trace = summary["trace"]
+    rows = [
+        ["trace", f"{Path(trace['path']).name} ({trace['requests']:,} requests, block size {trace['block_size']} tokens)"],
+        ["backend", summary["backend"]],
+        ["kvbench", summary.get("kvbench_version", "–")],
+        ["created (UTC)", summary.get("created", "–")],
+        ["complete", "yes" if summary.get("complete") else "no (interrupted: the points below finished)"],
+    ]
+    config = {k: v for k, v in (summary.get("config") or {}).items() if v not in (None, "", [], {})}
+    rows += [[f"config: {k}", _no_path(v)] for k, v in sorted(config.items()) if k != "pacing"]
+    items: list = [Table(["", ""], rows)]
+    if truncated:
+        items.append(f"Per-request plots use the first {MAX_REPORT_ROWS:,} rows of requests.parquet.")
+    return Section("Run", items)
+
+
+def server_section(point: dict) -> Section:
+    sc = point.get("server_counters")
+    if not sc or not sc.get("available"):
+        return Section("Server counters")
+    rows = [
+        [key, num(c["requests"]), num(c["server"]), "yes" if c["agree"] else "NO"]
+        for key, c in sorted(sc.get("checks", {}).items())
+    ]
+    note = (
+        "Deltas of the engine's /metrics counters over the run beside the sums of what each response reported; "
+        "they are reported separately and flagged when they differ by more than 1 %."
+    )
+    return Section("Server counters", [note, Table(["counter", "sum over responses", "server delta", "agree"], rows)])
+
+
+def sections(summary: dict, requests: pa.Table | None, trace: pa.Table | None, truncated: bool = False) -> list[Section]:
+    point = summary["points"][0] if summary["points"] else None
+    name = point["name"] if point else None
+    arrival = None
+    if trace is not None and "arrival_s" in trace.column_names and trace.num_rows <= MAX_REPORT_ROWS:
+        arrival = dict(zip(trace.column("request_id").to_pylist(), trace.column("arrival_s").to_pylist()))
+    out = [run_section(summary, truncated), points_section(summary), tier_section(requests), curve_section(summary)]
+    out += breakdown_sections(summary)
+    out.append(fairness_section(summary))
+    if point is not None:
+        out += latency_sections(point, requests)
+        out.append(server_section(point))
+        out.append(timeline_section(summary, point, requests, arrival))
+        out.append(agent_section(requests, trace, name))
+        out.append(characterisation_section(requests, trace, name))
+    return out
+
+
+def write_reports(run_dir: Path, summary: dict, trace: pa.Table | None = None) -> None:
+    """Write report.md and report.html into `run_dir` (plots need matplotlib, imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    requests, truncated = load_requests(Path(run_dir) / "requests.parquet")
+    parts = sections(summary, requests, trace, truncated)
+    title = f"kvbench run {summary['run_id']}"
+    (Path(run_dir) / "report.md").write_text(render_markdown(title, parts))
+    (Path(run_dir) / "report.html").write_text(render_html(title, parts))

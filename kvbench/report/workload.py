@@ -1,0 +1,139 @@
+"""Workload sections of a run report: trace characterisation (prompt and output length histograms, how soon
+blocks are reused) and the agent task view (calls per task, hit rate by call depth, task completion)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .page import Figure, Section, Table, num, pct, svg
+
+MAX_REUSE_REFS = 20_000_000  # block references examined for reuse intervals: bounded memory on huge traces
+MAX_TASKS_SHOWN = 20
+
+
+def characterisation_section(requests: pa.Table | None, trace: pa.Table | None, point: str) -> Section:
+    import matplotlib.pyplot as plt
+
+    if requests is None or requests.num_rows == 0:
+        return Section("Trace characterisation")
+    rows = requests.filter(pc.equal(requests.column("point"), point))
+    reuse = _reuse(trace) if trace is not None else None
+    panels = 3 if reuse is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(3.3 * panels, 2.8))
+    for ax, col, title in zip(axes, ("input_tokens", "output_tokens"), ("prompt", "output")):
+        x = rows.column(col).to_numpy(zero_copy_only=False)
+        ax.hist(x, bins=40, color="tab:blue" if col == "input_tokens" else "tab:orange")
+        ax.set_xlabel(f"{title} length (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("requests")
+    items: list = []
+    if reuse is not None:
+        gaps_s, gaps_req, refs = reuse
+        if gaps_s.size:
+            positive = gaps_s[gaps_s > 0]
+            axes[2].hist(np.log10(positive) if positive.size else [], bins=40, color="tab:green")
+            axes[2].set_xlabel("reuse interval (log10 s)")
+        axes[2].grid(alpha=0.3)
+        reused = gaps_s.size / refs if refs else 0.0
+        stats = [
+            ["block references examined", num(refs)],
+            ["references that reuse an earlier block", pct(reused)],
+        ]
+        if gaps_s.size:
+            stats += [
+                ["reuse interval p50 / p90 (s)", f"{np.percentile(gaps_s, 50):.3g} / {np.percentile(gaps_s, 90):.3g}"],
+                ["reuse distance p50 / p90 (requests)", f"{np.percentile(gaps_req, 50):,.0f} / {np.percentile(gaps_req, 90):,.0f}"],
+            ]
+        items.append(Table(["", ""], stats))
+        items.append(
+            "Reuse interval: time since the same block hash was last referenced. The reuse distance in distinct "
+            "blocks (stack distance) is what the LRU hit-rate-vs-capacity curve integrates."
+        )
+    fig.tight_layout()
+    items.insert(0, Figure(svg(fig), "Prompt and output length histograms, and block reuse intervals"))
+    return Section("Trace characterisation", items)
+
+
+def _reuse(trace: pa.Table) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(seconds since the previous reference of the same block, requests since it, references examined)."""
+    if "block_hashes" not in trace.column_names:
+        return None
+    hashes = trace.column("block_hashes").combine_chunks()
+    refs = min(len(hashes.values) if hasattr(hashes, "values") else 0, MAX_REUSE_REFS)
+    if refs == 0:
+        return np.empty(0), np.empty(0), 0
+    offsets = np.asarray(hashes.offsets)
+    rows = int(np.searchsorted(offsets, refs, side="right")) - 1  # whole requests within the bound
+    refs = int(offsets[rows] - offsets[0])
+    values = np.asarray(hashes.values.slice(offsets[0], refs))
+    owner = np.repeat(np.arange(rows), np.diff(offsets[: rows + 1]))
+    arrival = trace.column("arrival_s").to_numpy()[:rows].astype(np.float64)
+    order = np.lexsort((owner, values))
+    same = values[order][1:] == values[order][:-1]
+    later, earlier = order[1:][same], order[:-1][same]
+    return arrival[owner[later]] - arrival[owner[earlier]], (owner[later] - owner[earlier]).astype(np.float64), refs
+
+
+def agent_section(requests: pa.Table | None, trace: pa.Table | None, point: str) -> Section:
+    """Agent workloads: each session is one task (a tree of calls that branch and merge)."""
+    import matplotlib.pyplot as plt
+
+    if requests is None or trace is None or "session_id" not in trace.column_names:
+        return Section("Agent tasks")
+    agent = trace.filter(pc.equal(trace.column("workload").cast(pa.string()), "agent"))
+    if agent.num_rows == 0:
+        return Section("Agent tasks")
+    rows = requests.filter(pc.equal(requests.column("point"), point))
+    rows = rows.select(["request_id", "input_tokens", "hit_tokens", "actual_send_s", "e2el_s"])
+    cols = ["request_id", "session_id", "turn", "arrival_s"]
+    joined = agent.select([c for c in cols if c in agent.column_names]).join(rows, "request_id", join_type="inner")
+    if joined.num_rows == 0:
+        return Section("Agent tasks")
+    live = joined.column("actual_send_s").null_count < joined.num_rows
+    task = joined.column("session_id").cast(pa.string()).to_numpy(zero_copy_only=False)
+    hit = joined.column("hit_tokens").to_numpy(zero_copy_only=False).astype(np.float64)
+    inp = joined.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.float64)
+    names, idx = np.unique(task, return_inverse=True)
+    calls = np.bincount(idx)
+    task_in = np.bincount(idx, inp)
+    task_hit = np.bincount(idx, hit)
+    table_rows = []
+    completion = None
+    if live:
+        send = joined.column("actual_send_s").to_numpy(zero_copy_only=False).astype(np.float64)
+        end = send + joined.column("e2el_s").to_numpy(zero_copy_only=False).astype(np.float64)
+        first = np.full(names.size, np.inf)
+        last = np.full(names.size, -np.inf)
+        np.minimum.at(first, idx, send)
+        np.fmax.at(last, idx, end)
+        completion = last - first
+    for k in np.argsort(-task_in)[:MAX_TASKS_SHOWN]:
+        row = [str(names[k]), num(int(calls[k])), num(int(task_in[k])), pct(task_hit[k] / max(task_in[k], 1))]
+        if completion is not None:
+            row.append(f"{completion[k]:.3f}")
+        table_rows.append(row)
+    header = ["task", "calls", "prompt tokens", "hit rate"] + (["completion (s)"] if completion is not None else [])
+    items: list = [
+        f"{names.size:,} tasks, {int(calls.sum()):,} calls; overall token hit rate {pct(task_hit.sum() / max(task_in.sum(), 1))}.",
+        Table(header, table_rows),
+    ]
+    if "turn" in joined.column_names:
+        depth = joined.column("turn").to_numpy(zero_copy_only=False).astype(np.int64)
+        d_in = np.bincount(depth, inp)
+        d_hit = np.bincount(depth, hit)
+        shown = np.nonzero(d_in)[0]
+        fig, ax = plt.subplots(1, 2 if completion is not None else 1, figsize=(9 if completion is not None else 5, 3), squeeze=False)
+        ax[0][0].plot(shown, d_hit[shown] / d_in[shown], marker="o", markersize=3)
+        ax[0][0].set_xlabel("call depth in the task (turn)")
+        ax[0][0].set_ylabel("token hit rate")
+        ax[0][0].grid(alpha=0.3)
+        if completion is not None:
+            ax[0][1].hist(completion[np.isfinite(completion)], bins=30)
+            ax[0][1].set_xlabel("task completion time (s)")
+            ax[0][1].set_ylabel("tasks")
+            ax[0][1].grid(alpha=0.3)
+        fig.tight_layout()
+        items.insert(0, Figure(svg(fig), "Hit rate by call depth: later calls reuse the task's growing context"))
+    return Section("Agent tasks", items)
