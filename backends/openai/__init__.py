@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import click
 import numpy as np
@@ -25,7 +26,8 @@ from kvbench.prompts import words
 from kvbench.traceio import TraceMeta
 
 DEFAULT_VOCAB = 4096
-PROMPT_BATCH = 512  # requests whose prompts are synthesised together
+PROMPT_BATCH = 512  # at most this many requests' prompts are synthesised together…
+PROMPT_BATCH_TOKENS = 1 << 18  # …and about this many tokens (~0.15 s of numpy: long agent prompts stay bounded)
 PROMPT_BATCHES_KEPT = 8
 
 
@@ -178,6 +180,7 @@ class OpenAIBackend:
                 yield self
             finally:
                 poller.cancel()
+                self._synth.shutdown(wait=False, cancel_futures=True)
                 self.server["counters_after"] = await scrape(client.session, self.url)
 
     async def _reset(self, client) -> None:
@@ -216,22 +219,41 @@ class OpenAIBackend:
             return (c.cast(pa.string()) if pa.types.is_dictionary(c.type) else c).to_pylist()
 
         self._salt, self._lora, self._mm = col("cache_salt"), col("lora"), col("mm_items")
-        self._batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # contiguous batches of rows, capped in rows and in tokens; made on a worker thread (numpy releases the
+        # GIL), the next one ahead of need, so that the event loop never waits for a batch being synthesised
+        n = len(self._inp)
+        before = np.concatenate([[0], np.cumsum(self._inp, dtype=np.int64)[:-1]])
+        ids = before // PROMPT_BATCH_TOKENS + np.arange(n) // PROMPT_BATCH
+        _, self._batch_lo, self._row_batch = np.unique(ids, return_index=True, return_inverse=True)
+        self._batch_lo = np.append(self._batch_lo, n)
+        self._batches: dict[int, Future] = {}
+        self._synth = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbench-prompts")
+        if n:
+            self._batch(0)  # ready before the first send
 
-    def _tokens(self, row: int) -> np.ndarray:
-        """Token ids of row `row`, synthesised PROMPT_BATCH rows at a time (one vectorised pass instead of a
-        dozen small numpy calls per request, which cost ~0.2 ms each on the event loop)."""
-        from kvbench.prompts import overlay_media, prompt_tokens_batch
+    def _batch(self, batch: int) -> Future:
+        from kvbench.prompts import prompt_tokens_batch
 
-        batch = row // PROMPT_BATCH
         if batch not in self._batches:
-            lo, hi = batch * PROMPT_BATCH, min((batch + 1) * PROMPT_BATCH, len(self._inp))
+            lo, hi = self._batch_lo[batch], self._batch_lo[batch + 1]
             first = self._offsets[lo:hi] - self._offsets[0]
-            self._batches[batch] = prompt_tokens_batch(self._flat, first, self._inp[lo:hi], self._bs, self.vocab)
+            self._batches[batch] = self._synth.submit(
+                prompt_tokens_batch, self._flat, first, self._inp[lo:hi], self._bs, self.vocab
+            )
             if len(self._batches) > PROMPT_BATCHES_KEPT:  # closed-loop sessions send out of order: keep a few
                 self._batches.pop(next(iter(self._batches)))
-        tokens, starts = self._batches[batch]
-        i = row - batch * PROMPT_BATCH
+        return self._batches[batch]
+
+    def _tokens(self, row: int) -> np.ndarray:
+        """Token ids of row `row`, synthesised a batch of rows at a time (one vectorised pass instead of a
+        dozen small numpy calls per request, which cost ~0.2 ms each on the event loop)."""
+        from kvbench.prompts import overlay_media
+
+        batch = int(self._row_batch[row])
+        tokens, starts = self._batch(batch).result()
+        if batch + 1 < len(self._batch_lo) - 1:
+            self._batch(batch + 1)  # ahead of need
+        i = row - self._batch_lo[batch]
         out = tokens[starts[i] : starts[i + 1]]
         return overlay_media(out.copy(), self._mm[row], self.vocab) if self._mm[row] else out
 

@@ -73,16 +73,15 @@ def server_section(point: dict) -> Section:
 def sections(summary: dict, requests: pa.Table | None, trace: pa.Table | None, truncated: bool = False) -> list[Section]:
     point = summary["points"][0] if summary["points"] else None
     name = point["name"] if point else None
-    arrival = None
-    if trace is not None and "arrival_s" in trace.column_names and trace.num_rows <= MAX_REPORT_ROWS:
-        arrival = dict(zip(trace.column("request_id").to_pylist(), trace.column("arrival_s").to_pylist()))
+    if trace is not None and trace.num_rows > MAX_REPORT_ROWS:
+        trace = trace.slice(0, MAX_REPORT_ROWS)
     out = [run_section(summary, truncated), points_section(summary), tier_section(requests), curve_section(summary)]
     out += breakdown_sections(summary)
     out.append(fairness_section(summary))
     if point is not None:
         out += latency_sections(point, requests)
         out.append(server_section(point))
-        out.append(timeline_section(summary, point, requests, arrival))
+        out.append(timeline_section(summary, point, requests, trace))
         out.append(agent_section(requests, trace, name))
         out.append(characterisation_section(requests, trace, name))
     return out

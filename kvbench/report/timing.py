@@ -101,10 +101,23 @@ def _cdfs(rows: pa.Table) -> str | None:
     return svg(fig)
 
 
-def timeline_section(summary: dict, point: dict, requests: pa.Table | None, arrival: dict | None) -> Section:
+def _working_set(trace: pa.Table) -> pa.Table:
+    """request_id, arrival_s and the distinct block ids seen up to and including each request (content ids:
+    salts would split them further)."""
+    hashes = trace.column("block_hashes").combine_chunks()
+    offsets = np.asarray(hashes.offsets)
+    values = np.asarray(hashes.values.slice(offsets[0], offsets[-1] - offsets[0]))
+    owner = np.repeat(np.arange(trace.num_rows), np.diff(offsets))
+    _, first = np.unique(values, return_index=True)
+    seen = np.cumsum(np.bincount(owner[first], minlength=trace.num_rows))
+    return pa.table({"request_id": trace.column("request_id"), "arrival_s": trace.column("arrival_s"), "seen": seen})
+
+
+def timeline_section(summary: dict, point: dict, requests: pa.Table | None, trace: pa.Table | None) -> Section:
     """Request rate, latency and KV occupancy against time. Live runs: send times, measured TTFT and the
-    engine's own KV usage gauge polled during the run. Offline runs: trace arrival times, and the blocks the
-    simulated cache holds (misses inserted less evictions, which is exact for policies that insert every miss)."""
+    engine's own KV usage gauge polled during the run. Offline runs: trace arrival times, the hit rate, and the
+    working set (distinct blocks seen so far) against the capacity: a policy that inserts every miss and
+    evicts only when full holds the smaller of the two."""
     import matplotlib.pyplot as plt
 
     if requests is None or requests.num_rows == 0:
@@ -114,16 +127,16 @@ def timeline_section(summary: dict, point: dict, requests: pa.Table | None, arri
     if live:
         rows = rows.filter(pc.is_valid(rows.column("actual_send_s")))
         t = rows.column("actual_send_s").to_numpy(zero_copy_only=False)
-    elif arrival:
-        t = np.array([arrival.get(r, np.nan) for r in rows.column("request_id").to_pylist()], dtype=np.float64)
+    elif trace is not None and "arrival_s" in trace.column_names:
+        rows = rows.select(["request_id", "input_tokens", "hit_tokens"]).join(_working_set(trace), "request_id")
+        t = rows.column("arrival_s").to_numpy(zero_copy_only=False)
     else:
         return Section("Timeline")
     if t.size == 0 or not np.isfinite(t).any():
         return Section("Timeline")
     order = np.argsort(t, kind="stable")
     t = t[order] - np.nanmin(t)
-    panels = 3
-    fig, axes = plt.subplots(panels, 1, figsize=(8, 6.5), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True)
     span = max(float(np.nanmax(t)), 1e-9)
     bins = np.linspace(0, span, min(100, max(10, int(np.sqrt(t.size)))) + 1)
     counts, edges = np.histogram(t, bins)
@@ -146,15 +159,11 @@ def timeline_section(summary: dict, point: dict, requests: pa.Table | None, arri
         inp = rows.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.float64)[order]
         axes[1].plot(t, np.divide(hit, inp, out=np.zeros_like(hit), where=inp > 0), ".", markersize=2)
         axes[1].set_ylabel("token hit rate")
-        block = summary["trace"]["block_size"]
-        inserted = inp // block - rows.column("hit_blocks").to_numpy(zero_copy_only=False)[order]
-        evicted = np.nan_to_num(rows.column("evictions").to_numpy(zero_copy_only=False).astype(np.float64)[order])
-        held = np.cumsum(inserted) - np.cumsum(evicted)
-        axes[2].plot(t, held)
+        axes[2].plot(t, rows.column("seen").to_numpy()[order], label="distinct blocks seen")
         if "capacity_blocks" in point:
             axes[2].axhline(point["capacity_blocks"], color="grey", linestyle=":", label="capacity")
-            axes[2].legend(fontsize=7)
-        axes[2].set_ylabel("blocks held")
+        axes[2].legend(fontsize=7)
+        axes[2].set_ylabel("blocks")
     axes[2].set_xlabel("time since the first request (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
