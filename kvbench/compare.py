@@ -1,5 +1,8 @@
-"""`kvbench compare RUN RUN…`: runs side by side, and the fidelity gap between a prediction (sim) and a
-measurement (live) of the same trace.
+"""`kvbench compare RUN RUN…`: runs side by side; latency percentiles with bootstrap confidence intervals and
+the differences from a baseline that exceed noise; and the fidelity gap between a prediction (an offline
+backend) and a measurement (live) of the same trace, for hit rate and, when the offline backend models
+latency, for TTFT. The tables and plots of the page are made from this analysis in `kvbench.cli.compare`,
+for `kvbench compare` and for the index of `kvbench sweep`.
 
 Two runs are of the same trace when their trace fingerprints match, or when one replayed a re-cut copy
 (`kvbench trace rebase`, which records the fingerprint it came from): a simulator must see the trace at the
@@ -9,13 +12,23 @@ engine's block size to predict what the engine can hit.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import KvbenchError
+
+LIVE = "openai"
+METRICS = ("ttft", "tpot", "itl", "e2el")
+QUANTILES = (50, 90, 99)
+N_BOOT = 1000
+SEED = 0
+CI = (2.5, 97.5)  # a 95% percentile-bootstrap interval
 
 COLUMNS = [
     ("hit rate", lambda p: _get(p, "hit_rate", "token", "all"), "{:.4f}"),
@@ -28,6 +41,9 @@ COLUMNS = [
     ("req/s", lambda p: _get(p, "latency", "request_throughput"), "{:.2f}"),
     ("failed", lambda p: _get(p, "latency", "requests", "failed"), "{}"),
 ]
+FORMATS = {title: f for title, _, f in COLUMNS}
+
+Progress = Callable[[int, int, str], None]  # (steps done, steps in all, what is being done)
 
 
 def _get(d, *keys):
@@ -47,7 +63,17 @@ def load_run(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise KvbenchError(f"{summary}: not valid JSON ({exc}); was the run killed while writing it?") from None
     run["_dir"] = Path(path)
+    run["_label"] = run.get("run_id") or Path(path).name
     return run
+
+
+def _label_uniquely(runs: list[dict]) -> None:
+    """Two directories of the same name (a/live, b/live) must still be told apart in tables and plots."""
+    seen: dict[str, int] = {}
+    for run in runs:
+        n = seen[run["_label"]] = seen.get(run["_label"], 0) + 1
+        if n > 1:
+            run["_label"] = f"{run['_label']}#{n}"
 
 
 def _trace_key(run: dict) -> set[str]:
@@ -59,34 +85,170 @@ def side_by_side(runs: list[dict]) -> list[dict]:
     rows = []
     for run in runs:
         for point in run["points"]:
-            row = {"run": run["run_id"], "backend": run["backend"], "point": point["name"]}
+            row = {"run": run["_label"], "backend": run["backend"], "point": point["name"]}
             for title, get, _ in COLUMNS:
                 row[title] = get(point)
             rows.append(row)
     return rows
 
 
+# --- latency samples and the bootstrap ---------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    """The measured latencies (seconds) of one point of one run, warm-up and failed requests left out as in
+    `kvbench.latency`. Per metric the flat values and how many each request gave (ITL: its gaps, others 1):
+    the bootstrap resamples requests, because the gaps of one request are not independent of each other."""
+
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    lengths: dict[str, np.ndarray] = field(default_factory=dict)
+    ttft_by_request: dict[str, float] = field(default_factory=dict)
+
+
+def latency_samples(run_dir: Path) -> dict[str, Samples]:
+    """{point name: Samples} for every point of a run whose requests.parquet holds TTFTs (live runs, and
+    offline backends that model latency); {} when there are none."""
+    cols = ["point", "request_id", "ttft_s", "tpot_s", "e2el_s", "itl_s", "status", "warmup"]
+    try:
+        f = pq.ParquetFile(Path(run_dir) / "requests.parquet")
+        if _all_null(f.metadata, "ttft_s"):  # a simulator's millions of rows need not be read to learn that
+            return {}
+        t = f.read(columns=cols)
+    except (OSError, ValueError, pa.ArrowException):
+        return {}
+    if t.num_rows == 0 or t.column("ttft_s").null_count == t.num_rows:
+        return {}
+    ok = pc.fill_null(pc.equal(t.column("status"), "ok"), True)  # offline backends leave status null
+    measured = pc.and_(ok, pc.invert(pc.fill_null(t.column("warmup"), False)))
+    t = t.filter(measured)
+    points = t.column("point").to_numpy(zero_copy_only=False)
+    out = {}
+    for name in dict.fromkeys(points.tolist()):
+        rows = t.filter(pa.array(points == name))
+        s = Samples()
+        for m in ("ttft", "tpot", "e2el"):
+            x = rows.column(f"{m}_s").to_numpy(zero_copy_only=False).astype(np.float64)
+            s.values[m] = x[np.isfinite(x)]
+            s.lengths[m] = np.ones(s.values[m].size, dtype=np.int64)
+        itl = rows.column("itl_s")
+        lengths = pc.fill_null(pc.list_value_length(itl), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        s.values["itl"] = pc.list_flatten(itl).to_numpy(zero_copy_only=False).astype(np.float64)
+        s.lengths["itl"] = lengths[lengths > 0]
+        ttft = rows.column("ttft_s").to_numpy(zero_copy_only=False)
+        ids = rows.column("request_id").to_pylist()
+        s.ttft_by_request = {i: float(v) for i, v in zip(ids, ttft) if np.isfinite(v)}
+        if s.values["ttft"].size:
+            out[name] = s
+    return out
+
+
+def _all_null(meta: pq.FileMetaData, column: str) -> bool:
+    """Whether the row-group statistics say that `column` holds nulls only (False when they do not say)."""
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        leaf = next(
+            (group.column(j) for j in range(group.num_columns) if group.column(j).path_in_schema == column), None
+        )
+        stats = leaf.statistics if leaf is not None else None
+        if stats is None or stats.null_count != group.num_rows:
+            return False
+    return True
+
+
+def bootstrap(values: np.ndarray, lengths: np.ndarray, rng: np.random.Generator, n_boot: int = N_BOOT):
+    """(n_boot, len(QUANTILES)) percentiles of resamples of whole requests (`lengths[i]` values each)."""
+    n = lengths.size
+    out = np.empty((n_boot, len(QUANTILES)))
+    if (lengths == 1).all():
+        step = max(1, 4_000_000 // n)  # vectorised in chunks of at most 4M values (32 MB)
+        for s in range(0, n_boot, step):
+            idx = rng.integers(0, n, (min(step, n_boot - s), n))
+            out[s : s + len(idx)] = np.percentile(values[idx], QUANTILES, axis=1).T
+        return out
+    starts = np.cumsum(lengths) - lengths
+    for b in range(n_boot):
+        idx = rng.integers(0, n, n)
+        ln = lengths[idx]
+        # the positions of the chosen requests' values: start of each, then consecutive
+        flat = np.repeat(starts[idx] - (np.cumsum(ln) - ln), ln) + np.arange(ln.sum())
+        out[b] = np.percentile(values[flat], QUANTILES)
+    return out
+
+
+def _latency(samples: dict, progress: Progress | None, step: int, total: int):
+    """Per (run, point) and metric: the percentiles with their bootstrap intervals; and the bootstrap draws."""
+    rows, draws = [], {}
+    for i, ((run, point), s) in enumerate(samples.items()):
+        for j, m in enumerate(METRICS):
+            if s.lengths[m].size < 2:
+                continue
+            rng = np.random.default_rng([SEED, i, j])  # the same intervals however often compare runs
+            boot = bootstrap(s.values[m], s.lengths[m], rng)
+            est = np.percentile(s.values[m], QUANTILES)
+            lo, hi = np.percentile(boot, CI, axis=0)
+            draws[run, point, m] = (est, boot)
+            row = {"run": run, "point": point, "metric": m, "count": int(s.values[m].size)}
+            for q, e, a, b in zip(QUANTILES, est, lo, hi):
+                row[f"p{q}_ms"] = float(e * 1000)
+                row[f"p{q}_ci_ms"] = [float(a * 1000), float(b * 1000)]
+            rows.append(row)
+        if progress:
+            progress(step + i + 1, total, f"bootstrap {run}:{point}")
+    return rows, draws
+
+
+def _differences(draws: dict) -> list[dict]:
+    """Every (run, point) against the baseline, the first one measured: a difference of percentiles is
+    significant when the bootstrap interval of the difference (independent resamples) excludes 0."""
+    keys = list(dict.fromkeys((r, p) for r, p, _ in draws))
+    if len(keys) < 2:
+        return []
+    base, rows = keys[0], []
+    for run, point in keys[1:]:
+        for m in METRICS:
+            if (run, point, m) not in draws or (*base, m) not in draws:
+                continue
+            (e0, b0), (e1, b1) = draws[(*base, m)], draws[run, point, m]
+            lo, hi = np.percentile(b1 - b0, CI, axis=0)
+            row = {"run": run, "point": point, "baseline": f"{base[0]}:{base[1]}", "metric": m}
+            for q, d, a, b in zip(QUANTILES, e1 - e0, lo, hi):
+                row[f"p{q}"] = {
+                    "diff_ms": float(d * 1000),
+                    "ci_ms": [float(a * 1000), float(b * 1000)],
+                    "significant": bool(a > 0 or b < 0),
+                }
+            rows.append(row)
+    return rows
+
+
+# --- fidelity: predicted (offline) vs measured (live) ------------------------------------------------
+
+
+def _same_trace_pairs(runs: list[dict]):
+    live = [r for r in runs if r["backend"] == LIVE]
+    for m in live:
+        for s in runs:
+            if s["backend"] != LIVE and _trace_key(m) & _trace_key(s):
+                yield m, s
+
+
 def fidelity(runs: list[dict]) -> list[dict]:
     """Predicted (offline backends) vs measured (live) hit rates for every pair of runs of the same trace,
     with per-request agreement when both runs kept their requests.parquet."""
-    live = [r for r in runs if r["backend"] == "openai"]
-    offline = [r for r in runs if r["backend"] != "openai"]
     out = []
-    for m in live:
-        measured = m["points"][0]
-        for s in offline:
-            if not (_trace_key(m) & _trace_key(s)):
-                continue
-            for p in s["points"]:
-                row = {
-                    "predicted": f"{s['run_id']}:{p['name']}",
-                    "measured": m["run_id"],
-                    "hit rate predicted": _get(p, "hit_rate", "token", "all"),
-                    "hit rate measured": _get(measured, "hit_rate", "token", "all"),
-                }
-                row["gap"] = _diff(row["hit rate measured"], row["hit rate predicted"])
-                row.update(_per_request(s["_dir"], p["name"], m["_dir"]))
-                out.append(row)
+    for m, s in _same_trace_pairs(runs):
+        measured = m["points"][0] if m["points"] else {}
+        for p in s["points"]:
+            row = {
+                "predicted": f"{s['_label']}:{p['name']}",
+                "measured": m["_label"],
+                "hit rate predicted": _get(p, "hit_rate", "token", "all"),
+                "hit rate measured": _get(measured, "hit_rate", "token", "all"),
+            }
+            row["gap"] = _diff(row["hit rate measured"], row["hit rate predicted"])
+            row.update(_per_request(s["_dir"], p["name"], m["_dir"]))
+            out.append(row)
     return out
 
 
@@ -100,7 +262,7 @@ def _per_request(sim_dir: Path, point: str, live_dir: Path) -> dict:
         live = pq.read_table(
             live_dir / "requests.parquet", columns=["request_id", "cached_tokens", "status", "input_tokens"]
         )
-    except (OSError, ValueError):
+    except (OSError, ValueError, pa.ArrowException):
         return {}
     sim = sim.filter(pc.equal(sim.column("point"), point))
     live = live.filter(pc.equal(live.column("status"), "ok"))
@@ -120,26 +282,61 @@ def _per_request(sim_dir: Path, point: str, live_dir: Path) -> dict:
     }
 
 
-def render_markdown(table: list[dict]) -> str:
-    if not table:
-        return ""
-    heads = list(table[0])
-    fmt = {title: f for title, _, f in COLUMNS}
+def ttft_fidelity(runs: list[dict], samples: dict) -> list[dict]:
+    """Modeled (an offline backend that fills ttft_s) vs measured (live) TTFT, per offline point: the
+    percentiles, and the error per request over the requests both answered."""
+    out = []
+    for m, s in _same_trace_pairs(runs):
+        live = next((v for (r, _), v in samples.items() if r == m["_label"]), None)
+        for (r, point), model in samples.items():
+            if r != s["_label"] or live is None:
+                continue
+            row = {"modeled": f"{r}:{point}", "measured": m["_label"]}
+            for q in (50, 99):
+                row[f"TTFT p{q} modeled ms"] = float(np.percentile(model.values["ttft"], q) * 1000)
+                row[f"TTFT p{q} measured ms"] = float(np.percentile(live.values["ttft"], q) * 1000)
+            common = model.ttft_by_request.keys() & live.ttft_by_request.keys()
+            err = np.array([model.ttft_by_request[k] - live.ttft_by_request[k] for k in common]) * 1000
+            row["requests compared"] = len(common)
+            row["median |error| ms"] = float(np.median(np.abs(err))) if err.size else None
+            row["mean error ms"] = float(err.mean()) if err.size else None
+            out.append(row)
+    return out
 
-    def cell(k, v):
-        if v is None:
-            return "–"
-        if isinstance(v, float):
-            return fmt.get(k, "{:.4f}").format(v)
-        return str(v)
 
-    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    lines += ["| " + " | ".join(cell(k, row.get(k)) for k in heads) + " |" for row in table]
-    return "\n".join(lines)
+# --- the whole analysis ---------------------------------------------------------------------------
 
 
-def compare(paths: list[Path]) -> dict:
+@dataclass
+class Comparison:
+    runs: list[dict]  # summaries, with _dir and _label (never written out: _dir is a path of this machine)
+    samples: dict[tuple[str, str], Samples]  # (run label, point) -> measured latencies
+    result: dict  # JSON-ready tables: runs, latency, differences, fidelity, ttft_fidelity
+
+
+def analyse(runs: list[dict], progress: Progress | None = None) -> Comparison:
+    _label_uniquely(runs)
+    samples: dict[tuple[str, str], Samples] = {}
+    total = len(runs) * 2
+    for i, run in enumerate(runs):
+        for point, s in latency_samples(run["_dir"]).items():
+            samples[run["_label"], point] = s
+        if progress:
+            progress(i + 1, total, f"reading {run['_label']}")
+    total = len(runs) + len(samples)
+    latency, draws = _latency(samples, progress, len(runs), total)
+    result = {
+        "runs": side_by_side(runs),
+        "latency": latency,
+        "differences": _differences(draws),
+        "fidelity": fidelity(runs),
+        "ttft_fidelity": ttft_fidelity(runs, samples),
+        "bootstrap": {"resamples": N_BOOT, "seed": SEED, "interval": list(CI), "unit": "request"},
+    }
+    return Comparison(runs, samples, result)
+
+
+def compare(paths: list[Path], progress: Progress | None = None) -> Comparison:
     if len(paths) < 1:
         raise KvbenchError("give at least one run directory")
-    runs = [load_run(p) for p in paths]
-    return {"runs": side_by_side(runs), "fidelity": fidelity(runs)}
+    return analyse([load_run(p) for p in paths], progress)

@@ -74,8 +74,16 @@ def live_subset(table: pa.Table, max_len: int, n: int) -> pa.Table:
     kept = set(sub.column("request_id").to_pylist())
     parent = [p if p in kept else None for p in sub.column("parent_id").to_pylist()]
     deps = [[d for d in (ds or []) if d in kept] for ds in sub.column("depends_on").to_pylist()]
-    sub = sub.set_column(sub.schema.get_field_index("parent_id"), sub.schema.field("parent_id"), pa.array(parent, sub.schema.field("parent_id").type))
-    return sub.set_column(sub.schema.get_field_index("depends_on"), sub.schema.field("depends_on"), pa.array(deps, sub.schema.field("depends_on").type))
+    sub = sub.set_column(
+        sub.schema.get_field_index("parent_id"),
+        sub.schema.field("parent_id"),
+        pa.array(parent, sub.schema.field("parent_id").type),
+    )
+    return sub.set_column(
+        sub.schema.get_field_index("depends_on"),
+        sub.schema.field("depends_on"),
+        pa.array(deps, sub.schema.field("depends_on").type),
+    )
 
 
 def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str], None]) -> None:
@@ -100,9 +108,19 @@ def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str]
         recut = live_dir / f"{workload}-b{info.block_size}.parquet"
         hashes = rebase_blocks(sub, meta.block_size, info.block_size)
         source = {**meta.source, "rebased_from": trace_fingerprint(sub), "rebased_block_size": info.block_size}
-        write_trace(sub.set_column(sub.schema.get_field_index("block_hashes"), "block_hashes", hashes), recut, new_meta(info.block_size, source))
+        write_trace(
+            sub.set_column(sub.schema.get_field_index("block_hashes"), "block_hashes", hashes),
+            recut,
+            new_meta(info.block_size, source),
+        )
         step(f"{workload}: live replay of {sub.num_rows} requests")
-        opts = {"url": info.url, "max_concurrency": 1, "max_output_tokens": LIVE_OUTPUT_TOKENS, "reset_prefix_cache": True, "send_lora": False}
+        opts = {
+            "url": info.url,
+            "max_concurrency": 1,
+            "max_output_tokens": LIVE_OUTPUT_TOKENS,
+            "reset_prefix_cache": True,
+            "send_lora": False,
+        }
         run_dir, summary = run_replay(original, "openai", opts, out=demo.out / "runs" / f"{workload}-live")
         demo.runs.append(DemoRun(workload, "live", run_dir, summary))
         step(f"{workload}: prediction at the engine's block size")
@@ -111,7 +129,9 @@ def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str]
         demo.runs.append(DemoRun(workload, "prediction", run_dir, summary))
 
 
-def run_demo(out: Path, n: int = DEMO_REQUESTS, seed: int = 1, live: bool = False, step=print, engine_log=print) -> Demo:
+def run_demo(
+    out: Path, n: int = DEMO_REQUESTS, seed: int = 1, live: bool = False, step=print, engine_log=print
+) -> Demo:
     from .demoindex import write_index
 
     demo = Demo(Path(out))

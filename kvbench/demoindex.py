@@ -22,7 +22,9 @@ def _workload_rows(demo) -> list[list[str]]:
             smallest = min((p.get("capacity_blocks", 0) for p in points), default=None)
             at_small = [p for p in points if p.get("capacity_blocks") == smallest]
             best = max(at_small, key=lambda p: p["hit_rate"]["token"]["steady"], default=None)
-            bound = next((p for p in s["points"] if p.get("policy") == "belady" and p.get("capacity_blocks") == smallest), None)
+            bound = next(
+                (p for p in s["points"] if p.get("policy") == "belady" and p.get("capacity_blocks") == smallest), None
+            )
             rows.append(
                 [
                     workload,
@@ -112,7 +114,15 @@ def write_index(demo) -> Path:
                 "Capacities are shares of each trace's distinct blocks; the best policy and the Belady bound "
                 "are at the smallest capacity, steady state.",
                 Table(
-                    ["workload", "backend", "requests", "infinite-cache hit rate", "smallest capacity (blocks)", "best policy there", "Belady bound there"],
+                    [
+                        "workload",
+                        "backend",
+                        "requests",
+                        "infinite-cache hit rate",
+                        "smallest capacity (blocks)",
+                        "best policy there",
+                        "Belady bound there",
+                    ],
                     _workload_rows(demo),
                 ),
             ],
@@ -120,7 +130,12 @@ def write_index(demo) -> Path:
     ]
     curves = _curves(demo)
     if curves:
-        sections.append(Section("Hit rate vs capacity", [Figure(curves, "Every workload: policies, the one-pass LRU curve and the bounds")]))
+        sections.append(
+            Section(
+                "Hit rate vs capacity",
+                [Figure(curves, "Every workload: policies, the one-pass LRU curve and the bounds")],
+            )
+        )
     sections.append(_fidelity(demo))
     links = [(f"{r.workload} — {r.backend}", _rel(r.run_dir / "report.html", out)) for r in demo.runs]
     sections.append(Section("Run reports", [Links(links)]))

@@ -69,7 +69,7 @@ class FakeServer:
             # gauges: the fake cache never evicts, so usage is its size over a nominal 65,536 blocks
             f'vllm:kv_cache_usage_perc{{model_name="fake"}} {min(1.0, len(self.cache) / 65536)}',
             f'vllm:num_requests_running{{model_name="fake"}} {self.running}',
-            f'vllm:num_requests_waiting{{model_name="fake"}} 0',
+            'vllm:num_requests_waiting{model_name="fake"} 0',
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

@@ -26,7 +26,12 @@ COUNTERS = {
 }
 # Gauges polled during a run for the report's timeline (KV usage as a 0-1 fraction of the engine's cache).
 GAUGES = {
-    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage", "llamacpp:kv_cache_usage_ratio"),
+    "kv_usage": (
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+        "llamacpp:kv_cache_usage_ratio",
+    ),
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing"),
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred"),
 }

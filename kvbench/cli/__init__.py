@@ -45,6 +45,7 @@ from .demo import demo  # noqa: E402
 from .engine import engine  # noqa: E402
 from .replay import replay  # noqa: E402
 from .report import report  # noqa: E402
+from .sweep import sweep  # noqa: E402
 from .trace import trace  # noqa: E402
 
 main.add_command(trace)
@@ -52,5 +53,6 @@ main.add_command(replay)
 main.add_command(engine)
 main.add_command(audit)
 main.add_command(compare)
+main.add_command(sweep)
 main.add_command(report)
 main.add_command(demo)

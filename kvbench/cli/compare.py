@@ -1,31 +1,75 @@
-"""`kvbench compare RUN RUN…`: side-by-side tables and the sim-vs-live fidelity gap."""
+"""`kvbench compare RUN RUN… [--out DIR] [--json]`."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import click
 
+from ..report.compare import page_sections, write_page
+from ..report.page import render_markdown
+from .render import console
+
+
+class LazyBar:
+    """A progress bar on stderr that appears only when the work has already taken a second: most
+    comparisons finish sooner, and a bar that flashes up and vanishes is noise."""
+
+    def __init__(self, after_s: float = 1.0):
+        self.t0, self.after_s, self.bar, self.task = time.monotonic(), after_s, None, None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self.bar is None:
+            if time.monotonic() - self.t0 < self.after_s:
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=console, transient=True,
+            )  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task(what, total=total)
+        self.bar.update(self.task, completed=done, total=total, description=what)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
 
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="print the tables as JSON")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="also write the tables to this .md file")
+@click.option("--json", "as_json", is_flag=True, help="print the tables as JSON (latencies in ms, hit rates 0..1)")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="write DIR/compare.html (tables and plots), DIR/compare.md and DIR/compare.json instead of printing",
+)
 def compare(runs, as_json, out):
-    """Put run directories side by side: hit rates, TTFT/TPOT/ITL/E2EL percentiles (ms), throughput
-    (requests/s) and failures; for runs of the same trace, the predicted (sim) vs measured (live) hit rate and
-    the share of requests whose predicted hit tokens equal the server's cached_tokens."""
-    from ..compare import compare as run_compare
-    from ..compare import render_markdown
+    """Put run directories side by side: token hit rates (0..1), TTFT/TPOT/ITL/E2EL percentiles (ms) with 95%
+    bootstrap intervals (1000 resamples of requests, seeded), each run's difference from the first run that
+    measured latency (the baseline), flagged when it exceeds noise, throughput (requests/s) and failures;
+    for runs of the same trace, the predicted (sim) vs measured (live) hit rate with the share of requests
+    whose predicted hit tokens equal the server's cached_tokens, and modeled vs measured TTFT when an offline
+    backend models latency.
 
-    result = run_compare(list(runs))
+    Example: kvbench compare reports/chat-live reports/chat-sim --out reports/chat-compare
+    """
+    from ..compare import compare as run_compare
+
+    bar = LazyBar()
+    try:
+        cmp = run_compare(list(runs), progress=bar)
+        if out is not None:
+            bar(len(runs), len(runs) + 1, "plots")
+            write_page(out, "compare", "kvbench compare", page_sections(cmp, out), cmp.result)
+    finally:
+        bar.close()
     if as_json:
-        click.echo(json.dumps(result, indent=2))
-        return
-    text = "## Runs\n\n" + render_markdown(result["runs"])
-    if result["fidelity"]:
-        text += "\n\n## Fidelity: predicted vs measured\n\n" + render_markdown(result["fidelity"])
-    click.echo(text)
-    if out:
-        out.write_text(text + "\n")
+        click.echo(json.dumps(cmp.result, indent=2))
+    elif out is None:
+        click.echo(render_markdown("kvbench compare", page_sections(cmp, plots=False)))
+    if out is not None:
+        click.echo(f"wrote {out}/compare.html, compare.md and compare.json ({len(runs)} runs)", err=as_json)

@@ -10,9 +10,25 @@ from .render import console
 
 
 @click.command()
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports/demo"), show_default=True, help="directory for the traces, the runs and index.html")
-@click.option("-n", "--requests", "n", type=click.IntRange(min=10), default=2000, show_default=True, help="requests generated per workload kind")
-@click.option("--seed", type=int, default=1, show_default=True, help="generator seed (the same seed gives the same traces)")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("reports/demo"),
+    show_default=True,
+    help="directory for the traces, the runs and index.html",
+)
+@click.option(
+    "-n",
+    "--requests",
+    "n",
+    type=click.IntRange(min=10),
+    default=2000,
+    show_default=True,
+    help="requests generated per workload kind",
+)
+@click.option(
+    "--seed", type=int, default=1, show_default=True, help="generator seed (the same seed gives the same traces)"
+)
 @click.option(
     "--live",
     is_flag=True,
@@ -29,7 +45,9 @@ def demo(out, n, seed, live):
     from ..generators import registry
 
     steps = len(registry()) * (1 + len(demo_backends()) + (2 if live else 0)) + 1 + live
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+    ) as bar:
         task = bar.add_task("starting", total=steps)
 
         def step(text: str) -> None:

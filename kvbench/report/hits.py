@@ -27,7 +27,16 @@ def points_section(summary: dict) -> Section:
         ]
         for p in summary["points"]
     ]
-    header = ["point", "token all", "token steady", "block all", "block steady", "evictions", "Jain (tenants)", "underfilled"]
+    header = [
+        "point",
+        "token all",
+        "token steady",
+        "block all",
+        "block steady",
+        "evictions",
+        "Jain (tenants)",
+        "underfilled",
+    ]
     inf = summary["infinite_cache"]["token"]
     note = (
         f"Infinite-cache bound (every block ever seen stays cached): {pct(inf['all'])} of all tokens, "
@@ -117,7 +126,9 @@ def curve_section(summary: dict) -> Section:
     items = [Figure(svg(fig), "Steady-state token hit rate against cache capacity; belady is the optimal bound")]
     for c in curves:
         pairs = list(zip(c["capacity_blocks"], c["token_steady"]))[:: max(1, len(c["capacity_blocks"]) // 10)]
-        items.append(Table(["capacity (blocks)", f"{c['policy']} steady hit rate"], [[num(a), pct(b)] for a, b in pairs]))
+        items.append(
+            Table(["capacity (blocks)", f"{c['policy']} steady hit rate"], [[num(a), pct(b)] for a, b in pairs])
+        )
     return Section("Hit rate vs capacity", items)
 
 

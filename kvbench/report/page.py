@@ -63,16 +63,19 @@ def _anchor(title: str) -> str:
 def _html_item(item) -> str:
     if isinstance(item, Table):
         head = "".join(f"<th>{html.escape(h)}</th>" for h in item.header)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in item.rows
-        )
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in item.rows)
         return f"<table><tr>{head}</tr>{body}</table>"
     if isinstance(item, Figure):
         return f"<figure>{item.svg}<figcaption>{html.escape(item.caption)}</figcaption></figure>"
     if isinstance(item, Links):
-        return "<ul>" + "".join(
-            f"<li><a href='{html.escape(href, quote=True)}'>{html.escape(text)}</a></li>" for text, href in item.items
-        ) + "</ul>"
+        return (
+            "<ul>"
+            + "".join(
+                f"<li><a href='{html.escape(href, quote=True)}'>{html.escape(text)}</a></li>"
+                for text, href in item.items
+            )
+            + "</ul>"
+        )
     return f"<p class='note'>{html.escape(str(item))}</p>"
 
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
-from .page import Section, Table, num, pct, render_html, render_markdown
+from .page import Section, Table, num, render_html, render_markdown
 from .timing import latency_sections, timeline_section
 from .workload import agent_section, characterisation_section
 
@@ -41,7 +41,10 @@ def _no_path(value) -> str:
 def run_section(summary: dict, truncated: bool) -> Section:
     trace = summary["trace"]
     rows = [
-        ["trace", f"{Path(trace['path']).name} ({trace['requests']:,} requests, block size {trace['block_size']} tokens)"],
+        [
+            "trace",
+            f"{Path(trace['path']).name} ({trace['requests']:,} requests, block size {trace['block_size']} tokens)",
+        ],
         ["backend", summary["backend"]],
         ["kvbench", summary.get("kvbench_version", "–")],
         ["created (UTC)", summary.get("created", "–")],
@@ -70,7 +73,9 @@ def server_section(point: dict) -> Section:
     return Section("Server counters", [note, Table(["counter", "sum over responses", "server delta", "agree"], rows)])
 
 
-def sections(summary: dict, requests: pa.Table | None, trace: pa.Table | None, truncated: bool = False) -> list[Section]:
+def sections(
+    summary: dict, requests: pa.Table | None, trace: pa.Table | None, truncated: bool = False
+) -> list[Section]:
     point = summary["points"][0] if summary["points"] else None
     name = point["name"] if point else None
     if trace is not None and trace.num_rows > MAX_REPORT_ROWS:

@@ -33,18 +33,33 @@ def latency_sections(point: dict, requests: pa.Table | None) -> list[Section]:
     for key, title in METRICS:
         d = lat.get(key)
         if d:
-            rows.append([title, _ms(d["mean_ms"])] + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES] + [_ms(d["max_ms"]), num(d["count"])])
+            rows.append(
+                [title, _ms(d["mean_ms"])]
+                + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES]
+                + [_ms(d["max_ms"]), num(d["count"])]
+            )
     for key, title in (("ttft", "TTFT from scheduled send"), ("e2el", "E2EL from scheduled send")):
         d = (lat.get("from_scheduled") or {}).get(key)
         if d:
-            rows.append([title, _ms(d["mean_ms"])] + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES] + [_ms(d["max_ms"]), num(d["count"])])
+            rows.append(
+                [title, _ms(d["mean_ms"])]
+                + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES]
+                + [_ms(d["max_ms"]), num(d["count"])]
+            )
     if lat.get("schedule_lag"):
         d = lat["schedule_lag"]
-        rows.append(["schedule lag", _ms(d["mean_ms"])] + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES] + [_ms(d["max_ms"]), num(d["count"])])
+        rows.append(
+            ["schedule lag", _ms(d["mean_ms"])]
+            + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES]
+            + [_ms(d["max_ms"]), num(d["count"])]
+        )
     header = ["metric (ms)", "mean"] + [f"p{p}" for p in PERCENTILES] + ["max", "count"]
     r = lat["requests"]
     facts = [
-        ["requests sent / ok / failed / not sent", f"{r['sent']:,} / {r['ok']:,} / {r['failed']:,} / {r['not_sent']:,}"],
+        [
+            "requests sent / ok / failed / not sent",
+            f"{r['sent']:,} / {r['ok']:,} / {r['failed']:,} / {r['not_sent']:,}",
+        ],
         ["warm-up requests (left out)", num(r["warmup"])],
         ["duration (s)", num(lat.get("duration_s"))],
         ["request throughput (req/s)", num(lat.get("request_throughput"))],
@@ -58,7 +73,9 @@ def latency_sections(point: dict, requests: pa.Table | None) -> list[Section]:
     if requests is not None:
         fig = _cdfs(measured(requests))
         if fig is not None:
-            items.insert(1, Figure(fig, "Cumulative distributions of per-request latencies (warm-up and failures excluded)"))
+            items.insert(
+                1, Figure(fig, "Cumulative distributions of per-request latencies (warm-up and failures excluded)")
+            )
     tenants = lat.get("by_tenant") or []
     tenant_items: list = []
     if len(tenants) > 1:
@@ -67,7 +84,10 @@ def latency_sections(point: dict, requests: pa.Table | None) -> list[Section]:
             f"Jain's index over tenants' median TTFT: {num(jain)} (1 = every tenant waits the same).",
             Table(
                 ["tenant", "requests", "TTFT p50 ms", "TTFT p99 ms", "slowdown (p50 / everyone's p50)"],
-                [[t["name"], num(t["requests"]), _ms(t["ttft_p50_ms"]), _ms(t["ttft_p99_ms"]), num(t["slowdown"])] for t in tenants[:30]],
+                [
+                    [t["name"], num(t["requests"]), _ms(t["ttft_p50_ms"]), _ms(t["ttft_p99_ms"]), num(t["slowdown"])]
+                    for t in tenants[:30]
+                ],
             ),
         ]
     return [Section("Latency", items), Section("Latency by tenant", tenant_items)]
@@ -169,4 +189,7 @@ def timeline_section(summary: dict, point: dict, requests: pa.Table | None, trac
         ax.grid(alpha=0.3)
     fig.tight_layout()
     what = "send time" if live else "trace arrival time"
-    return Section("Timeline", [Figure(svg(fig), f"Request rate, latency or hit rate, and KV occupancy by {what} ({point['name']})")])
+    return Section(
+        "Timeline",
+        [Figure(svg(fig), f"Request rate, latency or hit rate, and KV occupancy by {what} ({point['name']})")],
+    )

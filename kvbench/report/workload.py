@@ -44,7 +44,10 @@ def characterisation_section(requests: pa.Table | None, trace: pa.Table | None, 
         if gaps_s.size:
             stats += [
                 ["reuse interval p50 / p90 (s)", f"{np.percentile(gaps_s, 50):.3g} / {np.percentile(gaps_s, 90):.3g}"],
-                ["reuse distance p50 / p90 (requests)", f"{np.percentile(gaps_req, 50):,.0f} / {np.percentile(gaps_req, 90):,.0f}"],
+                [
+                    "reuse distance p50 / p90 (requests)",
+                    f"{np.percentile(gaps_req, 50):,.0f} / {np.percentile(gaps_req, 90):,.0f}",
+                ],
             ]
         items.append(Table(["", ""], stats))
         items.append(
@@ -116,7 +119,8 @@ def agent_section(requests: pa.Table | None, trace: pa.Table | None, point: str)
         table_rows.append(row)
     header = ["task", "calls", "prompt tokens", "hit rate"] + (["completion (s)"] if completion is not None else [])
     items: list = [
-        f"{names.size:,} tasks, {int(calls.sum()):,} calls; overall token hit rate {pct(task_hit.sum() / max(task_in.sum(), 1))}.",
+        f"{names.size:,} tasks, {int(calls.sum()):,} calls; "
+        f"overall token hit rate {pct(task_hit.sum() / max(task_in.sum(), 1))}.",
         Table(header, table_rows),
     ]
     if "turn" in joined.column_names:
@@ -124,7 +128,9 @@ def agent_section(requests: pa.Table | None, trace: pa.Table | None, point: str)
         d_in = np.bincount(depth, inp)
         d_hit = np.bincount(depth, hit)
         shown = np.nonzero(d_in)[0]
-        fig, ax = plt.subplots(1, 2 if completion is not None else 1, figsize=(9 if completion is not None else 5, 3), squeeze=False)
+        fig, ax = plt.subplots(
+            1, 2 if completion is not None else 1, figsize=(9 if completion is not None else 5, 3), squeeze=False
+        )
         ax[0][0].plot(shown, d_hit[shown] / d_in[shown], marker="o", markersize=3)
         ax[0][0].set_xlabel("call depth in the task (turn)")
         ax[0][0].set_ylabel("token hit rate")

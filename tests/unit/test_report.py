@@ -73,7 +73,9 @@ def test_agent_run_shows_the_task_view(tmp_path):
 
 
 def test_kvbench_report_rewrites_the_reports(tmp_path):
-    run_dir, _ = run_replay(SAMPLES / "chat.parquet", "sim", {"policy": "lru", "capacity": "500"}, out=tmp_path / "r", report=False)
+    run_dir, _ = run_replay(
+        SAMPLES / "chat.parquet", "sim", {"policy": "lru", "capacity": "500"}, out=tmp_path / "r", report=False
+    )
     assert not (run_dir / "report.html").exists()
     r = subprocess.run(["kvbench", "report", str(run_dir)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

