@@ -114,8 +114,12 @@ def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str]
             new_meta(info.block_size, source),
         )
         step(f"{workload}: live replay of {sub.num_rows} requests")
+        # one request at a time, in trace order, back to back: the multi-tenant trace's users come back over
+        # days, which a demo should not wait for (prediction and measurement need only the order)
         opts = {
             "url": info.url,
+            "mode": "rate",
+            "rate": 1000.0,
             "max_concurrency": 1,
             "max_output_tokens": LIVE_OUTPUT_TOKENS,
             "reset_prefix_cache": True,
