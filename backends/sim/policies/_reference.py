@@ -2,7 +2,7 @@
 
 `PrefixCache.run` walks the trace once: for each request it counts the cached prefix (capped at
 `max_hit`), calls `on_hit` for those blocks, then `admit` for the rest in order until a policy says stop,
-and finally `after_request`. A policy subclass only says how recency/frequency/priority change and which
+and finally `after_request`. `begin` and `end` are the two halves, for callers in which requests overlap. A policy subclass only says how recency/frequency/priority change and which
 block to evict; eviction bookkeeping (per-request counts, evictor x victim tenants, fill time) is here.
 """
 
@@ -50,19 +50,31 @@ class PrefixCache:
     def full(self) -> bool:
         return len(self.owner) >= self.capacity
 
-    def run(self) -> SimOutput:
+    def begin(self, r: int) -> int:
+        """Request r arrives (or is scheduled): count its cached prefix, then admit its blocks. Returns the
+        hit blocks. A time-aware caller (engine-sim) calls `end(r)` when it finishes, with other requests
+        begun in between; `run` ends each request at once."""
+        self.request = r
         t = self.trace
-        for r in range(t.n_requests):
-            self.request = r
-            keys = t.keys[t.offsets[r] : t.offsets[r + 1]].tolist()
-            hit = 0
-            while hit < t.max_hit[r] and self.contains(keys[hit]):
-                hit += 1
-            self.out.hit_blocks[r] = hit
-            for pos in range(hit):
-                self.on_hit(keys[pos], pos)
-            for pos in range(hit, len(keys)):
-                if not self.admit(keys[pos], pos):
-                    break
-            self.after_request(keys)
+        keys = t.keys[t.offsets[r] : t.offsets[r + 1]].tolist()
+        hit = 0
+        while hit < t.max_hit[r] and self.contains(keys[hit]):
+            hit += 1
+        self.out.hit_blocks[r] = hit
+        for pos in range(hit):
+            self.on_hit(keys[pos], pos)
+        for pos in range(hit, len(keys)):
+            if not self.admit(keys[pos], pos):
+                break
+        return hit
+
+    def end(self, r: int) -> None:
+        self.request = r
+        t = self.trace
+        self.after_request(t.keys[t.offsets[r] : t.offsets[r + 1]].tolist())
+
+    def run(self) -> SimOutput:
+        for r in range(self.trace.n_requests):
+            self.begin(r)
+            self.end(r)
         return self.out

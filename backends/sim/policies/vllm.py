@@ -43,13 +43,17 @@ class _VllmReference(PrefixCache):
     def __init__(self, *args):
         super().__init__(*args)
         self.free: OrderedDict[int, None] = OrderedDict()  # cached, not held; head = least recently released
-        self.held: list[int] = []  # blocks of the running request, in the order they were taken
+        self.refs: dict[int, int] = {}  # held key -> running requests that hold it (overlapping requests)
+        self.held: dict[int, list[int]] = {}  # running request -> its held keys, in the order they were taken
 
     def _hold(self, key):
+        mine = self.held.setdefault(self.request, [])
+        if key in self.refs and key in mine:
+            return  # a key repeated in the prompt stays where it is
         if key in self.free:
             del self.free[key]
-            self.held.append(key)
-        # a key already held (repeated in the prompt) stays where it is
+        self.refs[key] = self.refs.get(key, 0) + 1
+        mine.append(key)
 
     def _full_blocks(self):
         return self.trace.input_tokens[self.request] // self.trace.block_size
@@ -66,17 +70,19 @@ class _VllmReference(PrefixCache):
             return True
         if self.full:
             if not self.free:
-                return False  # every slot is held by this request: cache no more of it
+                return False  # every slot is held by running requests: cache no more of this one
             victim, _ = self.free.popitem(last=False)
             self.evict(victim)
         self.insert(key)
-        self.held.append(key)
+        self._hold(key)
         return True
 
     def after_request(self, keys):
-        for key in reversed(self.held):  # tail-first: block 0 ends up most recently released
-            self.free[key] = None
-        self.held = []
+        for key in reversed(self.held.pop(self.request, [])):  # tail-first: block 0 is the most recently released
+            self.refs[key] -= 1
+            if not self.refs[key]:
+                del self.refs[key]
+                self.free[key] = None
 
 
 def reference(trace, capacity, options=None) -> SimOutput:

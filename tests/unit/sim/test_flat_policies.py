@@ -64,7 +64,7 @@ def checked_reference(name, trace, capacity, options=None, same_tenant_hits=Fals
 
         def evict(self, key):
             if name == "vllm":
-                assert key not in self.held, "vllm evicted a block held by the running request"
+                assert key not in self.refs, "vllm evicted a block held by a running request"
             super().evict(key)
 
         def on_hit(self, key, pos):
