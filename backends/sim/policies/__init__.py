@@ -85,6 +85,9 @@ class Policy:
     options: dict[str, str] = field(default_factory=dict)  # option name -> help (with units)
     stack: bool = False  # a stack algorithm: the one-pass curve applies
     carry: type[Carry] | None = None  # resumable form, for traces streamed in bounded memory
+    # the reference as a PrefixCache class: begin/end per request, for callers whose requests overlap in time
+    # (engine-sim); `reference` runs it over a whole trace
+    cache: type | None = None
 
 
 def _checked(fn: Callable[..., SimOutput]) -> Callable[..., SimOutput]:
@@ -110,13 +113,14 @@ def policy(
     options: dict | None = None,
     stack: bool = False,
     carry: type[Carry] | None = None,
+    cache: type | None = None,
 ):
     """Register `kernel` (the decorated function) and its pure-Python `reference` under `name`."""
 
     def wrap(kernel):
         summary = (kernel.__doc__ or name).strip().splitlines()[0]
         checked = _checked(kernel)
-        _REGISTRY.add(name, Policy(name, summary, checked, reference, needs, options or {}, stack, carry))
+        _REGISTRY.add(name, Policy(name, summary, checked, reference, needs, options or {}, stack, carry, cache))
         return checked
 
     return wrap

@@ -50,7 +50,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _BeladyReference(trace, capacity, options).run()
 
 
-@policy("belady", reference=reference)
+@policy("belady", reference=reference, cache=_BeladyReference)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Offline optimal with bypass on the prefix trie: evict the leaf used farthest in the future."""
     return run_leaf_kernel(BELADY, trace, capacity, next_use=trace.next_use())

@@ -78,7 +78,7 @@ def _fifo(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity):
     return hit_blocks, evictions, matrix, filled_at
 
 
-@policy("fifo", reference=reference)
+@policy("fifo", reference=reference, cache=_FifoReference)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Block FIFO: missing blocks are inserted in order, the oldest insertion is evicted; hits do not refresh."""
     out = _fifo(

@@ -130,7 +130,7 @@ def _lfu(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, max_freq):
     return hit_blocks, evictions, matrix, filled_at
 
 
-@policy("lfu", reference=reference)
+@policy("lfu", reference=reference, cache=_LfuReference)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Least-frequently-used blocks (LRU among equal frequency); every block of a request is referenced."""
     # a block's frequency never exceeds the number of references to its key

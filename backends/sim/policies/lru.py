@@ -139,7 +139,7 @@ class LruCache(Carry):
         return SimOutput(*out)
 
 
-@policy("lru", reference=reference, stack=True, carry=LruCache)
+@policy("lru", reference=reference, cache=_LruReference, stack=True, carry=LruCache)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Classic block LRU: every block of a request is referenced in order."""
     return LruCache.run(trace, capacity)

@@ -106,7 +106,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _PriorityLruReference(trace, capacity, options).run()
 
 
-@policy("priority-lru", reference=reference, options=OPTIONS)
+@policy("priority-lru", reference=reference, cache=_PriorityLruReference, options=OPTIONS)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """TensorRT-LLM retention priorities: evict the lowest-priority leaf, LRU within a priority."""
     return run_leaf_kernel(

@@ -41,7 +41,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return RadixLruReference(trace, capacity, options).run()
 
 
-@policy("radix-lru", reference=reference)
+@policy("radix-lru", reference=reference, cache=RadixLruReference)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Leaf-first LRU on the prefix trie (SGLang radix cache): hits touch only the hit prefix."""
     return run_leaf_kernel(RADIX_LRU, trace, capacity)

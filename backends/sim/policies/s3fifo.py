@@ -213,6 +213,7 @@ def _s3fifo(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, main_ca
 @policy(
     "s3fifo",
     reference=reference,
+    cache=_S3FifoReference,
     options={"small_fraction": "S3-FIFO: share of the capacity for the small (probation) FIFO (default 0.1)"},
 )
 def kernel(trace, capacity, options=None) -> SimOutput:

@@ -254,7 +254,7 @@ def _tenant_quota(parent, keys, offsets, max_hit, tenant, n_tenants, capacity, q
     return hit_blocks, evictions, matrix, filled_at
 
 
-@policy("tenant-quota", reference=reference, needs=("tenant",), options=OPTIONS)
+@policy("tenant-quota", reference=reference, cache=_TenantQuotaReference, needs=("tenant",), options=OPTIONS)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Per-tenant caps: a tenant at its quota evicts its own LRU leaf, else tenants at quota give way first."""
     out = _tenant_quota(

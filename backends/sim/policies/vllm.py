@@ -212,7 +212,7 @@ class VllmBlockPool(Carry):
         return SimOutput(*out)
 
 
-@policy("vllm", reference=reference, stack=True, carry=VllmBlockPool)
+@policy("vllm", reference=reference, cache=_VllmReference, stack=True, carry=VllmBlockPool)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """vLLM block pool: blocks held while a request runs, released tail-first, least recently released evicted."""
     return VllmBlockPool.run(trace, capacity)

@@ -25,12 +25,7 @@ MOONCAKE = REPO / "traces" / "mooncake" / "conversation_trace.parquet"
 SAMPLES = sorted((REPO / "traces" / "samples").glob("*.parquet"))
 
 MODULES = {"vllm": vllm, "fifo": fifo, "lfu": lfu, "s3fifo": s3fifo}
-REFERENCE_CLASSES = {
-    "vllm": vllm._VllmReference,
-    "fifo": fifo._FifoReference,
-    "lfu": lfu._LfuReference,
-    "s3fifo": s3fifo._S3FifoReference,
-}
+REFERENCE_CLASSES = {name: policies.get(name).cache for name in MODULES}
 NAMES = list(MODULES)
 
 # DESIGN.md section 10: fifo, Mooncake conversation trace, token-weighted, steady state (index >= N // 2)
