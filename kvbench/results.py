@@ -23,12 +23,14 @@ RESULT_SCHEMA = pa.schema(
         pa.field("hit_tokens_hbm", pa.int32()),
         pa.field("hit_tokens_dram", pa.int32()),
         pa.field("hit_tokens_ssd", pa.int32()),
+        pa.field("hit_tokens_global", pa.int32()),  # from a KV pool shared by instances
         pa.field("evictions", pa.int32()),  # blocks this request's insertions evicted
         pa.field("scheduled_send_s", pa.float64()),
         pa.field("actual_send_s", pa.float64()),
         pa.field("ttft_s", pa.float64()),
         pa.field("tpot_s", pa.float64()),
         pa.field("e2el_s", pa.float64()),
+        pa.field("queue_s", pa.float64()),  # arrival to first scheduled (modeled by engine-sim)
         pa.field("itl_s", pa.list_(pa.float32())),
         pa.field("ttfo_s", pa.float64()),  # time to first visible (non-reasoning) output
         pa.field("cached_tokens", pa.int32()),  # as reported by the server

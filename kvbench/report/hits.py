@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 
 from .page import Figure, Section, Table, num, pct, svg
 
-TIERS = ("hbm", "dram", "ssd")
+TIERS = ("hbm", "dram", "ssd", "global")
 MAX_GROUPS = 30  # bars and table rows per breakdown: beyond that a plot is unreadable
 
 
@@ -59,7 +59,7 @@ def tier_section(requests: pa.Table | None) -> Section:
             row.append(pct((pc.sum(sub.column(f"hit_tokens_{t}")).as_py() or 0) / total))
         row.append(pct((pc.sum(sub.column("hit_tokens")).as_py() or 0) / total))
         rows.append(row)
-    return Section("Hit rate by tier", [Table(["point", "HBM", "DRAM", "SSD", "all tiers"], rows)])
+    return Section("Hit rate by tier", [Table(["point", "HBM", "DRAM", "SSD", "global pool", "all tiers"], rows)])
 
 
 def breakdown_sections(summary: dict) -> list[Section]:

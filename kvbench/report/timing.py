@@ -166,7 +166,7 @@ def timeline_section(summary: dict, point: dict, requests: pa.Table | None, trac
         ttft = rows.column("ttft_s").to_numpy(zero_copy_only=False).astype(np.float64)[order] * 1000
         axes[1].plot(t, ttft, ".", markersize=2)
         axes[1].set_ylabel("TTFT (ms)")
-        timeline = point.get("server_timeline") or {}
+        timeline = point.get("server_timeline") or point.get("kv_timeline") or {}
         usage = [np.nan if u is None else u for u in timeline.get("kv_usage") or []]
         if usage:
             start = float(np.nanmin(rows.column("actual_send_s").to_numpy(zero_copy_only=False)))

@@ -44,16 +44,18 @@ class _VllmReference(PrefixCache):
         super().__init__(*args)
         self.free: OrderedDict[int, None] = OrderedDict()  # cached, not held; head = least recently released
         self.refs: dict[int, int] = {}  # held key -> running requests that hold it (overlapping requests)
-        self.held: dict[int, list[int]] = {}  # running request -> its held keys, in the order they were taken
+        self.held: dict[int, dict[int, None]] = {}  # running request -> its held keys, in the order taken
 
     def _hold(self, key):
-        mine = self.held.setdefault(self.request, [])
-        if key in self.refs and key in mine:
+        mine = self.held.get(self.request)
+        if mine is None:
+            mine = self.held[self.request] = {}
+        elif key in mine:
             return  # a key repeated in the prompt stays where it is
         if key in self.free:
             del self.free[key]
         self.refs[key] = self.refs.get(key, 0) + 1
-        mine.append(key)
+        mine[key] = None
 
     def _full_blocks(self):
         return self.trace.input_tokens[self.request] // self.trace.block_size
@@ -78,7 +80,7 @@ class _VllmReference(PrefixCache):
         return True
 
     def after_request(self, keys):
-        for key in reversed(self.held.pop(self.request, [])):  # tail-first: block 0 is the most recently released
+        for key in reversed(self.held.pop(self.request, {})):  # tail-first: block 0 is the most recently released
             self.refs[key] -= 1
             if not self.refs[key]:
                 del self.refs[key]

@@ -1,0 +1,326 @@
+"""`engine-sim`: a discrete-event model of serving instances that turns a trace into modeled TTFT / TPOT /
+E2EL, queueing, KV occupancy over time and tier traffic (DESIGN.md §5). It reuses the `sim` backend's keys
+(salt and LoRA folding) and policies (their reference classes, driven request by request), and a roofline
+latency model from a model geometry and a hardware spec (kvbench.hardware, overridable from a TOML file)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import click
+import numpy as np
+import pyarrow as pa
+
+from kvbench.backend import PointResult
+from kvbench.capacity import KV_DTYPE_BYTES, parse_capacity
+from kvbench.errors import KvbenchError
+from kvbench.latency import latency_summary
+from kvbench.traceio import TraceMeta
+
+from ..sim import policies as _policies
+from ..sim.prepared import prepare
+from .cluster import ROUTERS, simulate
+from .engine import Instance, Req, Scheduler
+from .tiers import Tier, TierStack
+
+
+def _size_option(flag: str, help: str) -> click.Option:
+    return click.Option([flag], default="0", show_default=True, help=help)
+
+
+class EngineSimBackend:
+    name = "engine-sim"
+
+    @classmethod
+    def cli_options(cls) -> list[click.Option]:
+        pols = ", ".join(_policies.registry())
+        return [
+            click.Option(
+                ["--policy"],
+                default="vllm",
+                show_default=True,
+                help=f"HBM prefix-cache policy, or several (comma-separated, one point each): {pols}",
+            ),
+            click.Option(
+                ["--hardware"],
+                default="h100",
+                show_default=True,
+                help="accelerator preset (kvbench.hardware) or a [hardware.NAME] table of --specs",
+            ),
+            click.Option(
+                ["--model"],
+                default="llama3-8b",
+                show_default=True,
+                help="model geometry preset or a [model.NAME] table of --specs",
+            ),
+            click.Option(
+                ["--specs"],
+                type=click.Path(exists=True, dir_okay=False),
+                help="TOML file of hardware/model tables that override or add presets",
+            ),
+            click.Option(
+                ["--kv-dtype"],
+                type=click.Choice(list(KV_DTYPE_BYTES)),
+                default="bf16",
+                show_default=True,
+                help="KV cache element type: scales bytes per token",
+            ),
+            click.Option(
+                ["--instances"],
+                type=click.IntRange(min=1),
+                default=1,
+                show_default=True,
+                help="serving instances (one accelerator each)",
+            ),
+            click.Option(
+                ["--router"],
+                type=click.Choice(list(ROUTERS)),
+                default="round-robin",
+                show_default=True,
+                help="how a request picks an instance",
+            ),
+            click.Option(
+                ["--hbm-capacity"],
+                help="KV pool per instance: blocks, tokens (5M tok) or bytes (40GiB) "
+                "[default: what --gpu-memory-utilization of HBM leaves after the weights]",
+            ),
+            click.Option(
+                ["--gpu-memory-utilization"],
+                type=click.FloatRange(0, 1, min_open=True),
+                default=0.9,
+                show_default=True,
+                help="share of HBM for weights + KV when the pool is derived",
+            ),
+            click.Option(
+                ["--max-num-seqs"],
+                type=click.IntRange(min=1),
+                default=256,
+                show_default=True,
+                help="sequences per iteration (continuous batching)",
+            ),
+            click.Option(
+                ["--max-num-batched-tokens"],
+                type=click.IntRange(min=1),
+                default=8192,
+                show_default=True,
+                help="tokens per iteration (chunked prefill splits longer prompts)",
+            ),
+            click.Option(
+                ["--preemption"],
+                default="recompute",
+                show_default=True,
+                help="when the pool runs out: recompute, swap, or protect-after=N (requests past N generated "
+                "tokens are swapped, never recomputed)",
+            ),
+            _size_option("--dram", "host DRAM tier per instance (bytes, e.g. 64GiB; 0 = none)"),
+            _size_option("--ssd", "local SSD tier per instance (bytes, e.g. 1TB; 0 = none)"),
+            _size_option("--global-pool", "KV pool shared by all instances, Mooncake Store style (bytes; 0 = none)"),
+            click.Option(
+                ["--pool-bandwidth"],
+                type=click.FloatRange(min=0, min_open=True),
+                default=25.0,
+                show_default=True,
+                help="global pool → HBM bandwidth per instance (GB/s)",
+            ),
+            click.Option(
+                ["--write-through/--write-back"],
+                default=False,
+                show_default=True,
+                help="write-through: every block HBM admits is also written to DRAM; write-back: only what HBM evicts",
+            ),
+            click.Option(
+                ["--closed-loop"],
+                is_flag=True,
+                help="a session's next turn (and an agent call after its depends_on) arrives when the previous "
+                "finishes plus think_time_s, not at its trace time",
+            ),
+            click.Option(
+                ["--mfu"],
+                type=click.FloatRange(0, 1, min_open=True),
+                default=0.5,
+                show_default=True,
+                help="achieved share of peak FLOP/s (prefill)",
+            ),
+            click.Option(
+                ["--mbu"],
+                type=click.FloatRange(0, 1, min_open=True),
+                default=0.8,
+                show_default=True,
+                help="achieved share of peak memory bandwidth (decode)",
+            ),
+            click.Option(["--salt/--no-salt"], default=True, show_default=True, help="fold cache_salt into cache keys"),
+            click.Option(["--share-lora-kv"], is_flag=True, help="let requests of different LoRA adapters share KV"),
+        ]
+
+    def __init__(
+        self,
+        policy="vllm",
+        hardware="h100",
+        model="llama3-8b",
+        specs=None,
+        kv_dtype="bf16",
+        instances=1,
+        router="round-robin",
+        hbm_capacity=None,
+        gpu_memory_utilization=0.9,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        preemption="recompute",
+        dram="0",
+        ssd="0",
+        global_pool="0",
+        pool_bandwidth=25.0,
+        write_through=False,
+        closed_loop=False,
+        mfu=0.5,
+        mbu=0.8,
+        salt=True,
+        share_lora_kv=False,
+    ):
+        from kvbench.hardware import load_specs, resolve_hardware, resolve_model
+
+        from .roofline import LatencyModel
+
+        known = _policies.registry()
+        self.policies = [p.strip() for p in str(policy).split(",") if p.strip()]
+        for p in self.policies:
+            if p not in known:
+                raise KvbenchError(f"unknown policy {p!r}; choose from: {', '.join(known)}")
+        if router not in ROUTERS:
+            raise KvbenchError(f"unknown router {router!r}; choose from: {', '.join(ROUTERS)}")
+        loaded = load_specs(specs) if specs else None
+        self.hw, self.model = resolve_hardware(hardware, loaded), resolve_model(model, loaded)
+        self.latency = LatencyModel(self.model, self.hw, kv_dtype=kv_dtype, mfu=mfu, mbu=mbu)
+        self.sched = Scheduler(max_num_seqs, max_num_batched_tokens, *_preemption(preemption))
+        self.settings = {
+            "policies": self.policies,
+            "hardware": self.hw.name,
+            "model": self.model.name,
+            "specs": specs,
+            "kv_dtype": kv_dtype,
+            "instances": instances,
+            "router": router,
+            "hbm_capacity": hbm_capacity,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "preemption": preemption,
+            "dram": dram,
+            "ssd": ssd,
+            "global_pool": global_pool,
+            "pool_bandwidth_gbps": pool_bandwidth,
+            "write_through": write_through,
+            "closed_loop": closed_loop,
+            "mfu": mfu,
+            "mbu": mbu,
+            "salt": salt,
+            "share_lora_kv": share_lora_kv,
+        }
+        self.kv_dtype = kv_dtype
+
+    @classmethod
+    def demo_options(cls, trace: pa.Table, meta: TraceMeta) -> dict:
+        """`kvbench demo`: the trace on two H100 instances with the cache-aware router, vLLM's policy."""
+        return {"policy": "vllm", "instances": 2, "router": "cache-aware"}
+
+    def config(self) -> dict:
+        return dict(self.settings)
+
+    def _blocks(self, text: str, bs: int) -> int:
+        if str(text).strip() in ("", "0"):
+            return 0
+        from kvbench.capacity import MODELS
+
+        model = self.model.name if self.model.name in MODELS else None  # --specs models: blocks or tokens
+        return parse_capacity(str(text), bs, model, self.kv_dtype).blocks
+
+    def pool_blocks(self, bs: int) -> int:
+        if self.settings["hbm_capacity"]:
+            return self._blocks(self.settings["hbm_capacity"], bs)
+        blocks = self.latency.kv_capacity_tokens(self.settings["gpu_memory_utilization"]) // bs
+        if blocks <= 0:
+            raise KvbenchError(
+                f"{self.model.name} weights ({self.latency.weight_bytes / 1e9:.1f} GB) leave no KV room on "
+                f"{self.hw.name} ({self.hw.hbm_bytes / 1e9:.0f} GB); pick a larger --hardware or give --hbm-capacity"
+            )
+        return blocks
+
+    def replay(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
+        for name in self.policies:
+            yield self._point(trace, meta, _policies.get(name))
+
+    def _point(self, trace: pa.Table, meta: TraceMeta, pol) -> PointResult:
+        from .results import point_result
+
+        s, bs = self.settings, meta.block_size
+        prep = prepare(trace, bs, use_salt=s["salt"], share_lora=s["share_lora_kv"], vllm_cap=pol.name == "vllm")
+        pool_blocks = self.pool_blocks(bs)
+        kvb = self.latency.kv_bytes_per_token * bs
+        pool = None
+        if self._blocks(s["global_pool"], bs):
+            pool = Tier("global", self._blocks(s["global_pool"], bs), s["pool_bandwidth_gbps"] * 1e9)
+        instances = []
+        for i in range(s["instances"]):
+            cache = pol.cache(prep, pool_blocks, {})
+            tiers = TierStack(
+                Tier("dram", self._blocks(s["dram"], bs), self.hw.host_to_device_bw),
+                Tier("ssd", self._blocks(s["ssd"], bs), self.hw.ssd_to_device_bw),
+                pool,
+                s["write_through"],
+            )
+            _hook(cache, tiers)
+            instances.append(
+                Instance(i, cache, tiers, self.latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
+            )
+        arrival = trace.column("arrival_s").to_numpy().astype(np.float64)
+        n_out = trace.column("output_tokens").to_numpy()
+        reqs = [
+            Req(
+                r,
+                float(arrival[r]),
+                int(prep.input_tokens[r]),
+                max(1, int(n_out[r])),
+                prep.keys[prep.offsets[r] : prep.offsets[r + 1]].tolist(),
+                int(prep.max_hit[r]),
+            )
+            for r in range(prep.n_requests)
+        ]
+        successors = think = None
+        if s["closed_loop"]:
+            from kvbench.pacing import predecessors
+
+            successors = [[] for _ in reqs]
+            for r, preds in enumerate(predecessors(trace)):
+                for p in preds:
+                    successors[p].append(r)
+            col = trace.column("think_time_s") if "think_time_s" in trace.column_names else None
+            think = np.zeros(len(reqs)) if col is None else col.fill_null(0.0).to_numpy().astype(np.float64)
+        timeline = simulate(instances, reqs, s["router"], successors, think)
+        return point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, latency_summary)
+
+
+def _preemption(text: str) -> tuple[str, int]:
+    text = str(text).strip()
+    if text in ("recompute", "swap"):
+        return text, 0
+    if text.startswith("protect-after="):
+        try:
+            return "protect-after", int(text.split("=", 1)[1])
+        except ValueError:
+            pass
+    raise KvbenchError(f"--preemption {text!r}: use recompute, swap or protect-after=N (N generated tokens)")
+
+
+def _hook(cache, tiers: TierStack) -> None:
+    """Let the tiers see what the HBM policy admits and evicts, without touching the policy's code."""
+    insert, evict = cache.insert, cache.evict
+
+    def inserted(key):
+        insert(key)
+        tiers.admitted(key)
+
+    def evicted(key):
+        evict(key)
+        tiers.evicted(key)
+
+    cache.insert, cache.evict = inserted, evicted

@@ -1,0 +1,127 @@
+"""The discrete-event loop: requests arrive (open loop at trace times, or closed loop per session and task
+graph), a router picks an instance, and each busy instance runs one iteration after another."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from bisect import bisect
+from collections.abc import Callable
+
+import numpy as np
+
+from .engine import Instance, Req
+
+ROUTERS: dict[str, Callable] = {}
+TIMELINE_POINTS = 1000  # samples of KV occupancy kept for the report
+AFFINITY_BLOCKS = 4  # prefix-affinity hashes a request's first blocks (a shared system prompt goes one place)
+VIRTUAL_NODES = 64  # per instance on the consistent-hash ring: an even split that moves little when N changes
+
+
+def router(name: str):
+    def wrap(fn):
+        ROUTERS[name] = fn
+        return fn
+
+    return wrap
+
+
+@router("round-robin")
+def _round_robin(instances, req, state):
+    state["next"] = (state.get("next", -1) + 1) % len(instances)
+    return instances[state["next"]]
+
+
+@router("least-loaded")
+def _least_loaded(instances, req, state):
+    return min(instances, key=lambda i: (i.load, i.routed, i.index))  # idle ties: spread, don't pile on one
+
+
+@router("prefix-affinity")
+def _prefix_affinity(instances, req, state):
+    if "ring" not in state:
+        points = sorted(
+            (int.from_bytes(hashlib.blake2b(f"{i}/{v}".encode(), digest_size=8).digest(), "little"), i)
+            for i in range(len(instances))
+            for v in range(VIRTUAL_NODES)
+        )
+        state["ring"] = ([p for p, _ in points], [i for _, i in points])
+    hashes, owners = state["ring"]
+    head = ",".join(map(str, req.keys[:AFFINITY_BLOCKS])).encode()
+    h = int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "little")
+    return instances[owners[bisect(hashes, h) % len(owners)]]
+
+
+@router("cache-aware")
+def _cache_aware(instances, req, state):
+    """Longest cached prefix, load-balanced: cached tokens save prefill, queued tokens add waiting; both are
+    tokens, so the score is their difference (ties go to the less loaded instance)."""
+
+    def score(inst):
+        matched = 0
+        while matched < req.max_hit and inst.cache.contains(req.keys[matched]):
+            matched += 1
+        return (matched * inst.bs - inst.load, -inst.routed, -inst.index)
+
+    return max(instances, key=score)
+
+
+def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=None, think=None) -> dict:
+    """Run every request to completion. `successors[r]`: rows that wait for r (closed loop); a row with
+    predecessors arrives when the last of them finishes plus its think time. Returns the KV timeline."""
+    pick = ROUTERS[route]
+    state: dict = {}
+    seq = itertools.count()
+    arrivals: list = []  # (time, seq, req): kept apart from iterations so an instance knows the next one
+    steps: list = []  # (time, seq, (instance, pieces, decoding, n))
+    waiting_for = None
+    if successors is not None:
+        waiting_for = np.zeros(len(reqs), dtype=np.int64)
+        for succ in successors:
+            for s in succ:
+                waiting_for[s] += 1
+    for r in reqs:
+        if waiting_for is None or waiting_for[r.row] == 0:
+            arrivals.append((r.arrival, next(seq), r))
+    heapq.heapify(arrivals)
+    span = max((r.arrival for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
+    every = max(span, 1e-3) / TIMELINE_POINTS
+    timeline = {"t_s": [], "kv_usage": [], "running": [], "waiting": []}
+    next_sample = 0.0
+
+    def start(inst: Instance, t: float) -> None:
+        dt, pieces, decoding, n = inst.plan(t, arrivals[0][0] if arrivals else float("inf"))
+        if not pieces and not decoding:
+            inst.busy = False
+            return
+        inst.busy = True
+        heapq.heappush(steps, (t + dt, next(seq), (inst, pieces, decoding, n)))
+
+    while arrivals or steps:
+        if arrivals and (not steps or arrivals[0][0] <= steps[0][0]):
+            t, _, req = heapq.heappop(arrivals)
+            inst = pick(instances, req, state)
+            req.instance = inst.index
+            inst.routed += 1
+            inst.waiting.append(req)
+            if not inst.busy:
+                start(inst, t)
+            continue
+        t, _, (inst, pieces, decoding, n) = heapq.heappop(steps)
+        for done in inst.finish_step(t, pieces, decoding, n):
+            if successors is not None:
+                for s in successors[done.row]:
+                    waiting_for[s] -= 1
+                    if waiting_for[s] == 0:
+                        succ = reqs[s]
+                        succ.arrival = max(succ.arrival, t + float(think[s]))
+                        heapq.heappush(arrivals, (succ.arrival, next(seq), succ))
+        if t >= next_sample:
+            timeline["t_s"].append(round(t, 6))
+            timeline["kv_usage"].append(float(np.mean([i.occupancy() for i in instances])))
+            timeline["running"].append(sum(len(i.running) for i in instances))
+            timeline["waiting"].append(sum(len(i.waiting) for i in instances))
+            next_sample = t + every
+        start(inst, t)
+    return timeline

@@ -1,0 +1,223 @@
+"""One serving instance as vLLM's V1 scheduler runs it: continuous batching of at most `max_num_seqs`
+sequences and `max_num_batched_tokens` tokens per iteration, chunked prefill, a KV pool of blocks held while
+a request runs and grown block by block as it decodes, preemption when the pool runs out, and an iteration
+time from the roofline latency model.
+
+The prefix cache is a `sim` policy's reference class (the same keys, salts and LoRA folding, the same update
+rule), begun when a request is scheduled and ended when it finishes or is preempted, so requests that overlap
+in time hold their blocks. Approximations, each chosen to keep the prefix cache identical to `sim` when
+nothing else interferes: a request's blocks enter the cache when it is scheduled (vLLM caches a block once it
+is computed); the cache may keep up to the whole pool in prefix blocks while the running sequences'
+partial and decode blocks are accounted in admission and preemption only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+MAX_FAST_FORWARD = 256  # decode iterations run as one at most (bounds how late a closed-loop arrival is seen)
+
+
+@dataclass
+class Req:
+    row: int
+    arrival: float
+    n_in: int
+    n_out: int
+    keys: list
+    max_hit: int
+    start: float = -1.0  # first scheduled
+    first_token: float = -1.0
+    finish: float = -1.0
+    hit: dict = None  # tier name -> blocks served from it (first admission)
+    todo: int = 0  # prompt (and, after a recompute, generated) tokens still to prefill
+    context: int = 0  # tokens whose KV the sequence holds
+    generated: int = 0
+    preemptions: int = 0
+    recomputed: int = 0  # tokens computed again after preemptions
+    swapped: bool = False  # preempted by swapping: its KV waits on the host
+    instance: int = -1
+
+
+@dataclass
+class Scheduler:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    preemption: str = "recompute"  # recompute | swap | protect-after
+    protect_after: int = 0  # protect-after: requests past this many generated tokens are swapped, never recomputed
+
+
+class Instance:
+    def __init__(self, index, cache, tiers, latency, pool_blocks: int, block_size: int, sched: Scheduler, pcie_bw):
+        self.index, self.cache, self.tiers, self.latency = index, cache, tiers, latency
+        self.pool, self.bs, self.sched, self.pcie_bw = pool_blocks, block_size, sched, pcie_bw
+        self.kv_bytes_block = latency.kv_bytes_per_token * block_size
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.used = 0  # pool blocks held by running sequences
+        self.busy = False
+        self.routed = 0  # requests the router sent here
+        self.rejected: list[Req] = []  # prompts larger than the whole pool: they could never run
+        self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_bytes": 0, "load_bytes": {}, "steps": 0}
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    @property
+    def load(self) -> int:
+        """Tokens queued or in flight: what least-loaded routing balances."""
+        return sum(r.todo + r.n_out - r.generated for r in self.running) + sum(r.n_in for r in self.waiting)
+
+    # --- admission ----------------------------------------------------------------------------------------
+    def _admit(self, req: Req, now: float) -> float:
+        """Look the request up and take its blocks; returns the seconds its lower-tier loads take."""
+        load_s = 0.0
+        if req.swapped:  # its KV comes back from the host as it was
+            load_s = self.latency.transfer_s(self.blocks_for(req.context) * self.kv_bytes_block, self.pcie_bw)
+            self.stats["swap_bytes"] += self.blocks_for(req.context) * self.kv_bytes_block
+            self.cache.begin(req.row)
+            req.swapped = False
+        else:
+            hit = self.cache.begin(req.row)
+            found = self.tiers.find(req.keys, hit, req.max_hit) if self.tiers.lower else []
+            for tier in {t.name: t for t in found}.values():
+                n = sum(1 for t in found if t is tier)
+                load_s += self.latency.transfer_s(n * self.kv_bytes_block, tier.bandwidth)
+                self.stats["load_bytes"][tier.name] = (
+                    self.stats["load_bytes"].get(tier.name, 0) + n * self.kv_bytes_block
+                )
+            cached = min((hit + len(found)) * self.bs, req.n_in)
+            if req.hit is None:
+                req.hit = {"hbm": hit} | {t.name: sum(1 for f in found if f is t) for t in self.tiers.lower}
+            else:  # a recompute after preemption: what is not cached any more is computed again
+                req.recomputed += max(0, req.context - cached)
+                self.stats["recomputed_tokens"] += max(0, req.context - cached)
+            # a recomputed request prefills its prompt and what it had generated
+            req.todo = req.n_in + req.generated - cached
+            req.context = cached
+        if req.start < 0:
+            req.start = now
+        self.running.append(req)
+        self.used += self.blocks_for(req.context + req.todo)
+        return load_s
+
+    def _fits(self, req: Req) -> bool:
+        need = self.blocks_for((req.context if req.swapped else 0) + req.n_in + req.generated + 1)
+        return self.used + need <= self.pool
+
+    # --- preemption ---------------------------------------------------------------------------------------
+    def _preempt(self, now: float) -> float:
+        """Free the most recently scheduled sequence (vLLM's victim); returns seconds spent swapping out."""
+        victim = self.running.pop()
+        self.used -= self.blocks_for(victim.context + victim.todo)
+        victim.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.cache.end(victim.row)
+        mode = self.sched.preemption
+        swap = mode == "swap" or (mode == "protect-after" and victim.generated > self.sched.protect_after)
+        self.waiting.appendleft(victim)
+        if swap:
+            victim.swapped = True
+            n = self.blocks_for(victim.context) * self.kv_bytes_block
+            self.stats["swap_bytes"] += n
+            return self.latency.transfer_s(n, self.pcie_bw)
+        victim.todo = 0  # recomputed from the cache state at re-admission
+        return 0.0
+
+    # --- one iteration --------------------------------------------------------------------------------------
+    def plan(self, now: float, horizon: float = float("inf")):
+        """Choose this iteration's work; returns (seconds it takes, prefill pieces, decoding requests, steps).
+        A decode-only batch that nothing can change before `horizon` (the next arrival) runs several identical
+        iterations at once, up to the first request that finishes: what makes hour-long traces quick."""
+        budget = self.sched.max_num_batched_tokens
+        extra_s = 0.0
+        # decodes that cross into a new block need one; preempt from the back until they fit
+        decoding = [r for r in self.running if r.todo == 0]
+        grow = sum(1 for r in decoding if r.context % self.bs == 0)
+        while self.running and self.used + grow > self.pool:
+            extra_s += self._preempt(now)
+            decoding = [r for r in self.running if r.todo == 0]
+            grow = sum(1 for r in decoding if r.context % self.bs == 0)
+        self.used += grow
+        budget -= len(decoding)
+        pieces = []
+        for r in self.running:
+            if r.todo > 0 and budget > 0:
+                take = min(r.todo, budget)
+                pieces.append((r, take))
+                budget -= take
+        while self.waiting and budget > 0 and len(self.running) < self.sched.max_num_seqs:
+            req = self.waiting[0]
+            if not self._fits(req):
+                if self.running:
+                    break  # wait for running sequences to free blocks
+                self.rejected.append(self.waiting.popleft())
+                continue
+            self.waiting.popleft()
+            extra_s += self._admit(req, now)
+            if req.todo > 0:
+                take = min(req.todo, budget)
+                pieces.append((req, take))
+                budget -= take
+            else:
+                decoding.append(req)
+                budget -= 1
+        step = self.latency.step_s([(take, r.context) for r, take in pieces], [r.context for r in decoding])
+        steps = 1
+        if (
+            decoding
+            and not pieces
+            and not extra_s
+            and (not self.waiting or len(self.running) >= self.sched.max_num_seqs or not self._fits(self.waiting[0]))
+        ):
+            steps = self._fast_forward(decoding, step, now, horizon)
+            if steps > 1:
+                mid = [r.context + (steps - 1) / 2 for r in decoding]  # KV grows linearly over the window
+                step = self.latency.step_s([], mid) * steps
+        self.stats["steps"] += steps
+        return step + extra_s, pieces, decoding, steps
+
+    def _fast_forward(self, decoding: list[Req], step: float, now: float, horizon: float) -> int:
+        k = min(r.n_out - r.generated for r in decoding)
+        if step > 0 and horizon < float("inf"):
+            k = min(k, max(1, int((horizon - now) / step)))
+        k = min(k, MAX_FAST_FORWARD)
+        if k <= 1:
+            return 1
+        # blocks the window's later steps need (the first step's were taken above)
+        more = sum(self.blocks_for(r.context + k) - self.blocks_for(r.context + 1) for r in decoding)
+        if self.used + more > self.pool:
+            return 1  # the pool fills inside the window: step one at a time, preempting as needed
+        self.used += more
+        return k
+
+    def finish_step(self, t: float, pieces, decoding, steps: int = 1) -> list[Req]:
+        """Apply an iteration (or `steps` identical decode iterations) that ended at time t; returns the
+        requests that finished."""
+        done = []
+        for r, take in pieces:
+            r.todo -= take
+            r.context += take
+            if r.todo == 0:  # the iteration that completes the prefill samples a token
+                self._token(r, t, done)
+        for r in decoding:
+            r.context += steps
+            r.generated += steps - 1
+            self._token(r, t, done)
+        for r in done:
+            self.running.remove(r)
+            self.used -= self.blocks_for(r.context)
+            self.cache.end(r.row)
+        return done
+
+    def _token(self, r: Req, t: float, done: list) -> None:
+        r.generated += 1
+        if r.first_token < 0:
+            r.first_token = t
+        if r.generated >= r.n_out:
+            r.finish = t
+            done.append(r)
+
+    def occupancy(self) -> float:
+        return min(1.0, self.used / self.pool) if self.pool else 0.0

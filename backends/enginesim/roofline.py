@@ -1,0 +1,229 @@
+"""Roofline latency of one continuous-batching iteration: the time the engine simulator's scheduler charges for a
+step.
+
+A step multiplies every token it processes (the new tokens of prefill chunks, one token per decode) through the
+weights and attends over each sequence's cached context. It takes the larger of two bounds, compute (FLOPs over
+the achieved FLOP/s, `mfu` of the datasheet peak) and memory (bytes through HBM over the achieved bandwidth, `mbu`
+of the peak), plus the tensor-parallel all-reduces, which a plain TP engine runs between the layers' matmuls and
+so does not hide behind either. A `Calibration` measured on a real engine replaces the roofline's terms.
+
+Units: seconds, bytes, tokens; FLOP and FLOP/s for compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+from kvbench.capacity import KV_DTYPE_BYTES, ModelGeometry
+from kvbench.errors import KvbenchError
+from kvbench.hardware import Hardware
+
+ACT_BYTES = 2  # activations travel as bf16 whatever the weight and KV formats: the all-reduce payload per value
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured step-time terms; each one set replaces the roofline term it names (None keeps the roofline's).
+
+    prefill_tokens_per_s: tokens per second the engine pushes through the model when compute-bound (a long
+        prefill's tokens over its time). Replaces the compute bound, for every token a step processes.
+    decode_step_base_s: seconds of a step that do not grow with its KV (weight reads, kernel launches, the
+        engine's own scheduling). Replaces the weight-read term of the memory bound.
+    decode_s_per_kv_token: seconds per cached KV token a step reads. Replaces the KV term of the memory bound.
+
+    A straight-line fit of measured decode step times against the batch's KV tokens gives the last two
+    (intercept, slope).
+    """
+
+    prefill_tokens_per_s: float | None = None
+    decode_step_base_s: float | None = None
+    decode_s_per_kv_token: float | None = None
+
+    def __post_init__(self):
+        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
+            raise KvbenchError(f"calibration: prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s!r}")
+        for key in ("decode_step_base_s", "decode_s_per_kv_token"):
+            value = getattr(self, key)
+            if value is not None and not value >= 0:
+                raise KvbenchError(f"calibration: {key} must be ≥ 0, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, data: dict, source: str) -> Calibration:
+        """A calibration from a parsed file's table; `source` names the file in errors."""
+        known = [f.name for f in fields(cls)]
+        for key, value in data.items():
+            if key not in known:
+                raise KvbenchError(f"{source}: unknown calibration key {key!r}; known keys: {', '.join(known)}")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise KvbenchError(f"{source}: calibration {key} must be a number, got {value!r}")
+        try:
+            return cls(**{k: float(v) for k, v in data.items()})
+        except KvbenchError as e:
+            raise KvbenchError(f"{source}: {e}") from None
+
+
+class StepCost(NamedTuple):
+    """One step's bounds, in seconds; the step takes `total`."""
+
+    compute_s: float
+    memory_s: float
+    comm_s: float
+
+    @property
+    def total(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.comm_s
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Step latencies of `model` served on `tp` devices of `hw`, per device (all devices run in lockstep).
+
+    kv_dtype and weight_dtype are keys of KV_DTYPE_BYTES. mfu and mbu: achieved fractions of the datasheet
+    FLOP/s and HBM bandwidth, in (0, 1].
+    """
+
+    model: ModelGeometry
+    hw: Hardware
+    kv_dtype: str = "bf16"
+    weight_dtype: str = "bf16"
+    mfu: float = 0.5
+    mbu: float = 0.8
+    tp: int = 1
+    calibration: Calibration | None = None
+
+    def __post_init__(self):
+        m = self.model
+        for kind, dtype in (("KV", self.kv_dtype), ("weight", self.weight_dtype)):
+            if dtype not in KV_DTYPE_BYTES:
+                raise KvbenchError(f"unknown {kind} dtype {dtype!r}; choose one of: {', '.join(KV_DTYPE_BYTES)}")
+        for key in ("mfu", "mbu"):
+            if not 0 < getattr(self, key) <= 1:
+                raise KvbenchError(f"{key} must be in (0, 1], got {getattr(self, key)!r}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise KvbenchError(f"tp must be a whole number ≥ 1, got {self.tp!r}")
+        missing = [k for k in ("params", "heads") + (("hidden",) if self.tp > 1 else ()) if not getattr(m, k)]
+        if missing:
+            raise KvbenchError(
+                f"model {m.name!r} lacks {', '.join(missing)} for latency modelling; set them in a [model.{m.name}] "
+                "table of a specs file"
+            )
+        tp = self.tp
+        # Derived once: the scheduler calls the step functions every iteration.
+        derived = {
+            "_kv_bytes": m.kv_bytes_per_token(self.kv_dtype),
+            # TP splits KV heads across devices (replicating them past kv_heads ranks); MLA's single latent is
+            # replicated on every rank, as vLLM does.
+            "_kv_shards": 1 if m.mla else min(tp, m.kv_heads),
+            "_weight_bytes": m.params * KV_DTYPE_BYTES[self.weight_dtype],
+            "_active_fraction": m.active_params / m.params,
+            "_linear_flops_per_token": 2 * m.active_params / tp,  # one multiply-add per active weight
+            # QKᵀ and PV: 2 FLOPs per multiply-add, each over attn_head_dim, per query head, per layer
+            "_attn_flops_per_pair": 4 * m.layers * m.heads * m.attn_head_dim / tp,
+            # weight-only int4/fp4 formats dequantize to bf16; fp8 uses fp8 tensor cores where there are any
+            "_linear_flops_s": self.hw.flops_for(self.weight_dtype) * self.mfu,
+            # attention math runs in bf16 even over an fp8 KV cache (the kernels widen K and V on load)
+            "_attn_flops_s": self.hw.flops * self.mfu,
+            "_bytes_s": self.hw.hbm_bw * self.mbu,
+            # two all-reduces of the hidden state per layer (after attention and after the MLP); a ring moves
+            # 2(tp−1)/tp of the payload through each device's link
+            "_comm_bytes_per_token": 2 * m.layers * m.hidden * ACT_BYTES * 2 * (tp - 1) / tp,
+        }
+        for key, value in derived.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes one token occupies across all layers and all TP ranks: what the cache tiers store and move."""
+        return self._kv_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of all weights, summed over the TP ranks."""
+        return self._weight_bytes
+
+    def kv_capacity_tokens(self, mem_util: float = 0.9) -> int:
+        """Tokens of KV that fit in HBM beside the weights when the engine may use `mem_util` of each device (vLLM's
+        --gpu-memory-utilization; activations and CUDA graphs are ignored)."""
+        free = self.hw.hbm_bytes * mem_util - self._weight_bytes / self.tp
+        if free <= 0:
+            raise KvbenchError(
+                f"{self.model.name} {self.weight_dtype} weights ({self._weight_bytes / 1e9:.1f} GB) leave no room for "
+                f"KV on {self.tp} × {self.hw.name} ({self.hw.hbm_bytes / 1e9:.0f} GB, {mem_util:.0%} usable); "
+                "raise tp or use a smaller weight dtype"
+            )
+        return int(free / (self._kv_bytes / self._kv_shards))
+
+    def step_cost(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> StepCost:
+        """The bounds of one iteration that runs the chunked-prefill pieces `prefills`, each (new tokens, tokens
+        of context already cached before them), and one decode token for each sequence of `decode_contexts`
+        (its cached tokens before this step)."""
+        tokens = pairs = kv_read = kv_written = 0
+        for new, context in prefills:
+            if new < 0 or context < 0:
+                raise ValueError(f"prefill piece ({new}, {context}): token counts must be ≥ 0")
+            if new:
+                tokens += new
+                # causal: new token i attends the context and the new tokens up to itself
+                pairs += new * context + new * (new + 1) / 2
+                kv_read += context
+                kv_written += new
+        n, context = len(decode_contexts), sum(decode_contexts)
+        return self._cost(tokens + n, pairs + context + n, kv_read + context, kv_written + n)
+
+    def step_s(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> float:
+        """Seconds of one iteration; arguments as in `step_cost`."""
+        return self.step_cost(prefills, decode_contexts).total
+
+    def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
+        """Seconds to prefill `new_tokens` after `context_tokens` already cached (the prefix hit), alone in a step."""
+        return self.step_cost([(new_tokens, context_tokens)], []).total
+
+    def decode_step_s(self, batch_size: int, batch_kv_tokens: int) -> float:
+        """Seconds of a decode-only step: `batch_size` sequences holding `batch_kv_tokens` cached tokens in all."""
+        if batch_size < 0 or batch_kv_tokens < 0:
+            raise ValueError(f"decode step ({batch_size}, {batch_kv_tokens}): counts must be ≥ 0")
+        n = batch_size
+        return self._cost(n, batch_kv_tokens + n, batch_kv_tokens, n).total
+
+    @staticmethod
+    def transfer_s(n_bytes: float, bandwidth: float) -> float:
+        """Seconds to move `n_bytes` at `bandwidth` bytes/s (e.g. hw.host_to_device_bw); link latency ignored."""
+        if n_bytes < 0 or not bandwidth > 0:
+            raise ValueError(f"transfer of {n_bytes} bytes at {bandwidth} bytes/s: need bytes ≥ 0, bandwidth > 0")
+        return n_bytes / bandwidth
+
+    def _cost(self, tokens: int, pairs: float, kv_read: int, kv_written: int) -> StepCost:
+        # tokens: multiplied through the weights; pairs: (query, key) products of attention; kv_read / kv_written:
+        # cached tokens a step's attention reads and new tokens whose K and V it stores.
+        if tokens == 0:
+            return StepCost(0.0, 0.0, 0.0)
+        cal = self.calibration or _NO_CALIBRATION
+        if cal.prefill_tokens_per_s:
+            compute = tokens / cal.prefill_tokens_per_s
+        else:
+            compute = (
+                tokens * self._linear_flops_per_token / self._linear_flops_s
+                + pairs * self._attn_flops_per_pair / self._attn_flops_s
+            )
+        if cal.decode_step_base_s is not None:
+            weights = cal.decode_step_base_s
+        else:
+            weights = self._weights_read(tokens) / self._bytes_s
+        if cal.decode_s_per_kv_token is not None:
+            kv = kv_read * cal.decode_s_per_kv_token
+        else:
+            kv = (kv_read + kv_written) * (self._kv_bytes / self._kv_shards) / self._bytes_s
+        comm = tokens * self._comm_bytes_per_token / self.hw.peer_bw if self.tp > 1 else 0.0
+        return StepCost(compute, weights + kv, comm)
+
+    def _weights_read(self, tokens: int) -> float:
+        """Weight bytes one device reads in a step of `tokens` tokens. Dense: all of them. MoE: each token routes
+        to its active share; across a batch the experts touched grow as 1 − (1 − share)^tokens, so a single
+        decode reads about the active weights and a large batch nearly all."""
+        share = self._active_fraction
+        touched = 1.0 if share >= 1.0 else 1.0 - (1.0 - share) ** tokens
+        return self._weight_bytes * touched / self.tp
+
+
+_NO_CALIBRATION = Calibration()

@@ -1,0 +1,160 @@
+"""The roofline latency model (backends/enginesim/roofline.py) and the specs it reads (kvbench/hardware.py):
+published numbers in, latencies that scale the way the two bounds say."""
+
+import dataclasses
+
+import pytest
+from kvbench.backends.enginesim.roofline import Calibration, LatencyModel
+
+from kvbench.capacity import MODELS, ModelGeometry
+from kvbench.errors import KvbenchError
+from kvbench.hardware import HARDWARE, load_specs, resolve_hardware, resolve_model
+
+LLAMA8 = MODELS["llama3-8b"]
+H100 = HARDWARE["h100"]
+
+
+def test_kv_bytes_per_token_of_llama3_8b_and_fp8_halves_it():
+    assert LatencyModel(LLAMA8, H100).kv_bytes_per_token == 131072  # 32 layers × 8 heads × 128 × (K, V) × 2 B
+    assert LatencyModel(LLAMA8, H100, kv_dtype="fp8").kv_bytes_per_token == 65536
+
+
+def test_weight_bytes_follow_the_parameter_count():
+    assert LatencyModel(LLAMA8, H100).weight_bytes == 2 * 8_030_261_248
+    assert LatencyModel(LLAMA8, H100, weight_dtype="fp8").weight_bytes == 8_030_261_248
+
+
+def test_llama3_8b_decode_at_batch_1_on_h100_reads_the_weights_once():
+    # 16.06 GB of bf16 weights through 3.35 TB/s × mbu 0.8 ≈ 6.0 ms
+    step = LatencyModel(LLAMA8, H100).decode_step_s(1, 0)
+    assert 5e-3 < step < 7e-3
+    assert step == pytest.approx(16.06e9 / (3.35e12 * 0.8), rel=1e-3)
+
+
+def test_prefill_time_scales_with_uncached_tokens_when_compute_bound():
+    lm = LatencyModel(LLAMA8, H100)
+    cost = lm.step_cost([(2048, 0)], [])
+    assert cost.compute_s > cost.memory_s  # the regime the scaling claim is about
+    ratio = lm.prefill_s(4096, 0) / lm.prefill_s(2048, 0)
+    assert 1.95 < ratio < 2.15  # linear in tokens, plus a little quadratic attention
+    # a cached prefix is not recomputed: 1024 new tokens after 3072 cached cost about a quarter of 4096 new
+    hit = lm.prefill_s(1024, 3072)
+    assert 0.24 < hit / lm.prefill_s(4096, 0) < 0.35
+    assert lm.prefill_s(0, 3072) == 0.0
+
+
+def test_decode_step_grows_with_the_batch_kv():
+    lm = LatencyModel(LLAMA8, H100)
+    steps = [lm.decode_step_s(32, 32 * ctx) for ctx in (0, 1000, 4000, 16000)]
+    assert steps == sorted(steps) and steps[-1] > 2 * steps[0]
+    # each cached token read costs its KV bytes through HBM
+    per_token = (steps[2] - steps[1]) / (32 * 3000)
+    assert per_token == pytest.approx(131072 / (3.35e12 * 0.8), rel=1e-6)
+
+
+def test_doubling_hbm_bandwidth_halves_a_memory_bound_decode_step():
+    fast = dataclasses.replace(H100, hbm_bw=2 * H100.hbm_bw)
+    slow_step = LatencyModel(LLAMA8, H100).step_cost([], [2000] * 16)
+    fast_step = LatencyModel(LLAMA8, fast).step_cost([], [2000] * 16)
+    assert fast_step.memory_s > fast_step.compute_s
+    assert fast_step.total == pytest.approx(slow_step.total / 2, rel=1e-9)
+
+
+def test_a_mixed_step_costs_at_least_its_parts_and_reads_weights_once():
+    lm = LatencyModel(LLAMA8, H100)
+    mixed = lm.step_s([(512, 1024)], [3000] * 8)
+    assert mixed >= max(lm.prefill_s(512, 1024), lm.decode_step_s(8, 24000))
+    assert mixed < lm.prefill_s(512, 1024) + lm.decode_step_s(8, 24000)
+    assert lm.step_s([], []) == 0.0
+    assert lm.decode_step_s(8, 24000) == pytest.approx(lm.step_s([], [3000] * 8))
+
+
+def test_moe_decode_reads_active_weights_alone_and_nearly_all_in_a_large_batch():
+    ds = MODELS["deepseek-v3"]
+    assert (ds.params, ds.active_params) == (671_000_000_000, 37_000_000_000)
+    lm = LatencyModel(ds, HARDWARE["h200"], weight_dtype="fp8", tp=8)
+    alone = lm.step_cost([], [0]).memory_s
+    assert alone == pytest.approx(37e9 / 8 / (4.8e12 * 0.8), rel=0.01)
+    batch = lm.step_cost([], [0] * 512).memory_s
+    assert batch == pytest.approx(671e9 / 8 / (4.8e12 * 0.8), rel=0.01)  # (1 − 37/671)^512 ≈ 0: every expert
+
+
+def test_tensor_parallelism_splits_the_work_and_adds_all_reduces():
+    m70 = MODELS["llama3-70b"]
+    one, four = LatencyModel(m70, HARDWARE["h200"]), LatencyModel(m70, HARDWARE["h200"], tp=4)
+    c1, c4 = one.step_cost([], [1000] * 32), four.step_cost([], [1000] * 32)
+    assert c4.memory_s == pytest.approx(c1.memory_s / 4)
+    assert c1.comm_s == 0 < c4.comm_s < c4.memory_s
+    with pytest.raises(KvbenchError, match="no room"):
+        LatencyModel(MODELS["llama3-405b"], H100).kv_capacity_tokens()
+    assert LatencyModel(LLAMA8, H100).kv_capacity_tokens() == int((80e9 * 0.9 - 2 * 8_030_261_248) / 131072)
+
+
+def test_a_calibration_replaces_the_roofline_terms():
+    cal = Calibration(prefill_tokens_per_s=1000.0, decode_step_base_s=0.01, decode_s_per_kv_token=1e-6)
+    lm = LatencyModel(MODELS["kvbench-tiny"], HARDWARE["cpu"], calibration=cal)
+    assert lm.decode_step_s(4, 4000) == pytest.approx(0.01 + 4000 * 1e-6)  # memory side: base + slope
+    assert lm.prefill_s(2000, 0) == pytest.approx(2.0)  # compute side: tokens / measured rate
+    partial = LatencyModel(LLAMA8, H100, calibration=Calibration(decode_step_base_s=0.002))
+    assert partial.decode_step_s(1, 0) == pytest.approx(0.002 + 131072 / (3.35e12 * 0.8))
+    with pytest.raises(KvbenchError, match="calib.toml: unknown calibration key 'slope'"):
+        Calibration.from_mapping({"slope": 1.0}, "calib.toml")
+
+
+def test_tiny_model_matches_the_vllm_cpu_engine():
+    tiny = MODELS["kvbench-tiny"]  # kvbench/engines/_tiny_llama.py: hidden 128, 2 layers, 4 heads, 2 KV heads
+    assert (tiny.layers, tiny.hidden, tiny.heads, tiny.kv_heads, tiny.head_dim) == (2, 128, 4, 2, 32)
+    assert tiny.kv_bytes_per_token("bf16") == 512
+
+
+def test_every_model_has_what_the_roofline_needs():
+    for m in MODELS.values():
+        assert 0 < m.active_params <= m.params and m.heads and m.hidden, m.name
+        LatencyModel(m, HARDWARE["b200"], weight_dtype="fp8", tp=8).decode_step_s(8, 8000)
+
+
+def test_toml_overrides_a_preset_and_adds_entries(tmp_path):
+    path = tmp_path / "specs.toml"
+    path.write_text(
+        "[hardware.h100]\nhbm_bw = 2.0e12\n\n"
+        "[hardware.mi300x]\nhbm_bytes = 192e9\nhbm_bw = 5.3e12\nflops = 1307e12\npcie_bw = 64e9\n\n"
+        "[model.llama3-8b]\nparams = 9000000000\n"
+    )
+    specs = load_specs(path)
+    h100 = resolve_hardware("h100", specs)
+    assert h100.hbm_bw == 2.0e12 and h100.flops == H100.flops and h100.hbm_bytes == H100.hbm_bytes
+    assert resolve_hardware("mi300x", path).nvlink_bw == 0.0
+    assert resolve_model("llama3-8b", specs).active_params == 9_000_000_000  # dense: follows params
+    assert HARDWARE["h100"].hbm_bw == 3.35e12  # the presets themselves are untouched
+    with pytest.raises(KvbenchError, match="no hardware given.*h100"):
+        resolve_hardware(None, specs)  # two tables in the file: which one is meant is unclear
+
+
+def test_toml_unknown_key_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[hardware.h100]\nhbm_bandwidth = 2e12\n")
+    with pytest.raises(KvbenchError, match=r"bad\.toml.*hbm_bandwidth"):
+        load_specs(path)
+    path.write_text("[model.new-7b]\nlayers = 32\n")
+    with pytest.raises(KvbenchError, match=r"bad\.toml.*new-7b.*needs kv_heads, head_dim"):
+        load_specs(path)
+    path.write_text("[gpu.h100]\nhbm_bw = 1\n")
+    with pytest.raises(KvbenchError, match=r"bad\.toml.*unknown table \[gpu\]"):
+        load_specs(path)
+
+
+def test_resolving_an_unknown_name_lists_the_choices(tmp_path):
+    with pytest.raises(KvbenchError, match="unknown hardware 'h300'.*h100, h200, b200, a100, l40s, cpu"):
+        resolve_hardware("h300")
+    with pytest.raises(KvbenchError, match="unknown model 'gpt-5'.*llama3-8b.*kvbench-tiny"):
+        resolve_model("gpt-5")
+    assert resolve_hardware("H100") is H100
+    path = tmp_path / "one.toml"
+    path.write_text("[model.tiny2]\nlayers = 2\nkv_heads = 2\nhead_dim = 32\nparams = 1e6\nheads = 4\nhidden = 128\n")
+    assert resolve_model(None, path).name == "tiny2"  # a file that describes one model needs no name
+
+
+def test_a_model_without_parameter_counts_is_refused_for_latency():
+    bare = ModelGeometry("bare", layers=2, kv_heads=2, head_dim=32)
+    with pytest.raises(KvbenchError, match="lacks params, heads"):
+        LatencyModel(bare, H100)
