@@ -13,10 +13,14 @@ def _rel(path: Path, base: Path) -> str:
     return Path(os.path.relpath(path, base)).as_posix()
 
 
+def _swept(run) -> bool:
+    return any("capacity_blocks" in p for p in run.summary["points"])
+
+
 def _workload_rows(demo) -> list[list[str]]:
     rows = []
     for workload in demo.traces:
-        for run in (r for r in demo.runs if r.workload == workload and r.backend not in ("live", "prediction")):
+        for run in (r for r in demo.runs if r.workload == workload and _swept(r) and r.backend != "prediction"):
             s = run.summary
             points = [p for p in s["points"] if p.get("policy") != "belady"]
             smallest = min((p.get("capacity_blocks", 0) for p in points), default=None)
@@ -45,7 +49,7 @@ def _curves(demo) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in demo.runs if r.backend not in ("live", "prediction")]
+    runs = [r for r in demo.runs if _swept(r) and r.backend != "prediction"]
     if not runs:
         return None
     cols = min(3, len(runs))
@@ -73,6 +77,44 @@ def _curves(demo) -> str | None:
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     return svg(fig)
+
+
+def _modeled(demo) -> Section:
+    """Offline backends that model time (engine-sim): what users would feel, per workload."""
+    rows = []
+    for run in demo.runs:
+        for p in run.summary["points"]:
+            lat, engine = p.get("latency"), p.get("engine")
+            if not lat or not engine or not lat.get("ttft"):
+                continue
+            tpot = lat.get("tpot") or {}
+            rows.append(
+                [
+                    run.workload,
+                    f"{run.backend} {p['name']}",
+                    pct(p["hit_rate"]["token"]["all"]),
+                    f"{lat['ttft']['p50_ms']:,.1f} / {lat['ttft']['p99_ms']:,.1f}",
+                    f"{tpot['p50_ms']:,.2f}" if tpot else "–",
+                    f"{lat['e2el']['p50_ms'] / 1000:,.2f}",
+                    num(engine["preemptions"]),
+                ]
+            )
+    if not rows:
+        return Section("Modeled serving")
+    note = (
+        "The engine simulator's modeled latencies on its default deployment (see each report's config): "
+        "a prefix cache that hits also saves prefill time."
+    )
+    header = [
+        "workload",
+        "run / point",
+        "hit rate",
+        "TTFT p50 / p99 (ms)",
+        "TPOT p50 (ms)",
+        "E2EL p50 (s)",
+        "preemptions",
+    ]
+    return Section("Modeled serving", [note, Table(header, rows)])
 
 
 def _fidelity(demo) -> Section:
@@ -136,6 +178,7 @@ def write_index(demo) -> Path:
                 [Figure(curves, "Every workload: policies, the one-pass LRU curve and the bounds")],
             )
         )
+    sections.append(_modeled(demo))
     sections.append(_fidelity(demo))
     links = [(f"{r.workload} — {r.backend}", _rel(r.run_dir / "report.html", out)) for r in demo.runs]
     sections.append(Section("Run reports", [Links(links)]))
