@@ -148,6 +148,12 @@ class EngineSimBackend:
                 show_default=True,
                 help="achieved share of peak memory bandwidth (decode)",
             ),
+            click.Option(
+                ["--calibration"],
+                type=click.Path(exists=True, dir_okay=False),
+                help="TOML file with a [calibration] table (from `kvbench calibrate`): measured prefill tokens/s "
+                "and decode step terms replace the roofline's",
+            ),
             click.Option(["--salt/--no-salt"], default=True, show_default=True, help="fold cache_salt into cache keys"),
             click.Option(["--share-lora-kv"], is_flag=True, help="let requests of different LoRA adapters share KV"),
         ]
@@ -174,6 +180,7 @@ class EngineSimBackend:
         closed_loop=False,
         mfu=0.5,
         mbu=0.8,
+        calibration=None,
         salt=True,
         share_lora_kv=False,
     ):
@@ -190,7 +197,8 @@ class EngineSimBackend:
             raise KvbenchError(f"unknown router {router!r}; choose from: {', '.join(ROUTERS)}")
         loaded = load_specs(specs) if specs else None
         self.hw, self.model = resolve_hardware(hardware, loaded), resolve_model(model, loaded)
-        self.latency = LatencyModel(self.model, self.hw, kv_dtype=kv_dtype, mfu=mfu, mbu=mbu)
+        calib = _calibration(calibration) if calibration else None
+        self.latency = LatencyModel(self.model, self.hw, kv_dtype=kv_dtype, mfu=mfu, mbu=mbu, calibration=calib)
         self.sched = Scheduler(max_num_seqs, max_num_batched_tokens, *_preemption(preemption))
         self.settings = {
             "policies": self.policies,
@@ -213,6 +221,7 @@ class EngineSimBackend:
             "closed_loop": closed_loop,
             "mfu": mfu,
             "mbu": mbu,
+            "calibration": calib and vars(calib),
             "salt": salt,
             "share_lora_kv": share_lora_kv,
         }
@@ -297,6 +306,20 @@ class EngineSimBackend:
             think = np.zeros(len(reqs)) if col is None else col.fill_null(0.0).to_numpy().astype(np.float64)
         timeline = simulate(instances, reqs, s["router"], successors, think)
         return point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, latency_summary)
+
+
+def _calibration(path: str):
+    import tomllib
+
+    from .roofline import Calibration
+
+    try:
+        data = tomllib.loads(open(path).read())
+    except tomllib.TOMLDecodeError as exc:
+        raise KvbenchError(f"{path}: not valid TOML ({exc})") from None
+    if "calibration" not in data:
+        raise KvbenchError(f"{path}: no [calibration] table; write one with `kvbench calibrate --url …`")
+    return Calibration.from_mapping(data["calibration"], path)
 
 
 def _preemption(text: str) -> tuple[str, int]:
