@@ -59,10 +59,16 @@ def _cache_aware(instances, req, state):
     tokens, so the score is their difference (ties go to the less loaded instance)."""
 
     def score(inst):
-        matched = 0
-        while matched < req.max_hit and inst.cache.contains(req.keys[matched]):
-            matched += 1
-        return (matched * inst.bs - inst.load, -inst.routed, -inst.index)
+        # binary search for the cached prefix (a prefix cache keeps prefixes: block i cached implies the
+        # blocks before it, up to rare exceptions); a router's estimate, as real cache-aware routers keep
+        lo, hi = 0, req.max_hit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if inst.cache.contains(req.keys[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return (lo * inst.bs - inst.load, -inst.routed, -inst.index)
 
     return max(instances, key=score)
 
@@ -91,12 +97,27 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
     next_sample = 0.0
 
     def start(inst: Instance, t: float) -> None:
-        dt, pieces, decoding, n = inst.plan(t, arrivals[0][0] if arrivals else float("inf"))
+        dt, pieces, decoding, n = inst.plan(t)
         if not pieces and not decoding:
             inst.busy = False
             return
         inst.busy = True
-        heapq.heappush(steps, (t + dt, next(seq), (inst, pieces, decoding, n)))
+        token = next(seq)
+        inst.window = (token, t, dt / n, n, pieces, decoding)
+        heapq.heappush(steps, (t + dt, token, (inst, pieces, decoding, n)))
+
+    def cut(inst: Instance, t: float) -> None:
+        """A request arrived while `inst` runs several decode iterations as one: end the window after the
+        iteration in progress, so the newcomer is scheduled at the next iteration boundary as in an engine."""
+        token, begun, per, n, pieces, decoding = inst.window
+        done = min(n, int((t - begun) / per) + 1) if per > 0 else n
+        if done < n:
+            cancelled.add(token)
+            token = next(seq)
+            inst.window = (token, begun, per, done, pieces, decoding)
+            heapq.heappush(steps, (begun + done * per, token, (inst, pieces, decoding, done)))
+
+    cancelled: set[int] = set()
 
     while arrivals or steps:
         if arrivals and (not steps or arrivals[0][0] <= steps[0][0]):
@@ -104,11 +125,16 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
             inst = pick(instances, req, state)
             req.instance = inst.index
             inst.routed += 1
-            inst.waiting.append(req)
+            inst.enqueue(req)
             if not inst.busy:
                 start(inst, t)
+            elif inst.window[3] > 1:
+                cut(inst, t)
             continue
-        t, _, (inst, pieces, decoding, n) = heapq.heappop(steps)
+        t, token, (inst, pieces, decoding, n) = heapq.heappop(steps)
+        if token in cancelled:
+            cancelled.discard(token)
+            continue
         for done in inst.finish_step(t, pieces, decoding, n):
             if successors is not None:
                 for s in successors[done.row]:

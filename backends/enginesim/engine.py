@@ -58,16 +58,27 @@ class Instance:
         self.used = 0  # pool blocks held by running sequences
         self.busy = False
         self.routed = 0  # requests the router sent here
+        self.queued_tokens = 0  # prompt tokens of the waiting requests (kept, not summed per routing decision)
+        self.window = None  # (token, start, seconds per iteration, iterations, pieces, decoding) in flight
         self.rejected: list[Req] = []  # prompts larger than the whole pool: they could never run
         self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_bytes": 0, "load_bytes": {}, "steps": 0}
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)
 
+    def enqueue(self, req: Req, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+        self.queued_tokens += req.n_in
+
+    def dequeue(self) -> Req:
+        req = self.waiting.popleft()
+        self.queued_tokens -= req.n_in
+        return req
+
     @property
     def load(self) -> int:
         """Tokens queued or in flight: what least-loaded routing balances."""
-        return sum(r.todo + r.n_out - r.generated for r in self.running) + sum(r.n_in for r in self.waiting)
+        return sum(r.todo + r.n_out - r.generated for r in self.running) + self.queued_tokens
 
     # --- admission ----------------------------------------------------------------------------------------
     def _admit(self, req: Req, now: float) -> float:
@@ -116,7 +127,7 @@ class Instance:
         self.cache.end(victim.row)
         mode = self.sched.preemption
         swap = mode == "swap" or (mode == "protect-after" and victim.generated > self.sched.protect_after)
-        self.waiting.appendleft(victim)
+        self.enqueue(victim, front=True)
         if swap:
             victim.swapped = True
             n = self.blocks_for(victim.context) * self.kv_bytes_block
@@ -128,8 +139,8 @@ class Instance:
     # --- one iteration --------------------------------------------------------------------------------------
     def plan(self, now: float, horizon: float = float("inf")):
         """Choose this iteration's work; returns (seconds it takes, prefill pieces, decoding requests, steps).
-        A decode-only batch that nothing can change before `horizon` (the next arrival) runs several identical
-        iterations at once, up to the first request that finishes: what makes hour-long traces quick."""
+        A decode-only batch runs several identical iterations at once, up to the first request that finishes
+        (or `horizon`); an arrival cuts such a window short (cluster.simulate): what makes long traces quick."""
         budget = self.sched.max_num_batched_tokens
         extra_s = 0.0
         # decodes that cross into a new block need one; preempt from the back until they fit
@@ -152,9 +163,9 @@ class Instance:
             if not self._fits(req):
                 if self.running:
                     break  # wait for running sequences to free blocks
-                self.rejected.append(self.waiting.popleft())
+                self.rejected.append(self.dequeue())
                 continue
-            self.waiting.popleft()
+            self.dequeue()
             extra_s += self._admit(req, now)
             if req.todo > 0:
                 take = min(req.todo, budget)
@@ -189,8 +200,7 @@ class Instance:
         more = sum(self.blocks_for(r.context + k) - self.blocks_for(r.context + 1) for r in decoding)
         if self.used + more > self.pool:
             return 1  # the pool fills inside the window: step one at a time, preempting as needed
-        self.used += more
-        return k
+        return k  # finish_step takes the later steps' blocks, for as many steps as really ran
 
     def finish_step(self, t: float, pieces, decoding, steps: int = 1) -> list[Req]:
         """Apply an iteration (or `steps` identical decode iterations) that ended at time t; returns the
@@ -202,6 +212,8 @@ class Instance:
             if r.todo == 0:  # the iteration that completes the prefill samples a token
                 self._token(r, t, done)
         for r in decoding:
+            if steps > 1:  # the first step's block was taken when it was planned
+                self.used += self.blocks_for(r.context + steps) - self.blocks_for(r.context + 1)
             r.context += steps
             r.generated += steps - 1
             self._token(r, t, done)

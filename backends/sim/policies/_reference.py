@@ -2,7 +2,8 @@
 
 `PrefixCache.run` walks the trace once: for each request it counts the cached prefix (capped at
 `max_hit`), calls `on_hit` for those blocks, then `admit` for the rest in order until a policy says stop,
-and finally `after_request`. `begin` and `end` are the two halves, for callers in which requests overlap. A policy subclass only says how recency/frequency/priority change and which
+and finally `after_request`. `begin` and `end` are the two halves, for callers in which requests overlap.
+A policy subclass only says how recency/frequency/priority change and which
 block to evict; eviction bookkeeping (per-request counts, evictor x victim tenants, fill time) is here.
 """
 

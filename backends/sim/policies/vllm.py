@@ -45,6 +45,7 @@ class _VllmReference(PrefixCache):
         self.free: OrderedDict[int, None] = OrderedDict()  # cached, not held; head = least recently released
         self.refs: dict[int, int] = {}  # held key -> running requests that hold it (overlapping requests)
         self.held: dict[int, dict[int, None]] = {}  # running request -> its held keys, in the order taken
+        self.full_blocks = (self.trace.input_tokens // self.trace.block_size).tolist()
 
     def _hold(self, key):
         mine = self.held.get(self.request)
@@ -57,15 +58,12 @@ class _VllmReference(PrefixCache):
         self.refs[key] = self.refs.get(key, 0) + 1
         mine[key] = None
 
-    def _full_blocks(self):
-        return self.trace.input_tokens[self.request] // self.trace.block_size
-
     def on_hit(self, key, pos):
-        if pos < self._full_blocks():  # (a partial block can only hit on a trace prepared without the cap)
+        if pos < self.full_blocks[self.request]:  # (a partial block can only hit on a trace prepared without the cap)
             self._hold(key)
 
     def admit(self, key, pos):
-        if pos >= self._full_blocks():
+        if pos >= self.full_blocks[self.request]:
             return False  # the partial last block: vLLM does not cache it
         if key in self.owner:
             self._hold(key)
