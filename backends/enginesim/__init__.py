@@ -19,6 +19,7 @@ from kvbench.traceio import TraceMeta
 
 from ..sim import policies as _policies
 from ..sim.prepared import prepare
+from . import scenarios as _scenarios
 from .cluster import ROUTERS, simulate
 from .engine import Instance, Req, Scheduler
 from .tiers import Tier, TierStack
@@ -156,7 +157,7 @@ class EngineSimBackend:
             ),
             click.Option(["--salt/--no-salt"], default=True, show_default=True, help="fold cache_salt into cache keys"),
             click.Option(["--share-lora-kv"], is_flag=True, help="let requests of different LoRA adapters share KV"),
-        ]
+        ] + [opt for sc in _scenarios.registry().values() for opt in sc.options]
 
     def __init__(
         self,
@@ -183,6 +184,7 @@ class EngineSimBackend:
         calibration=None,
         salt=True,
         share_lora_kv=False,
+        **scenario_options,
     ):
         from kvbench.hardware import load_specs, resolve_hardware, resolve_model
 
@@ -224,7 +226,9 @@ class EngineSimBackend:
             "calibration": calib and vars(calib),
             "salt": salt,
             "share_lora_kv": share_lora_kv,
+            **scenario_options,
         }
+        self.scenarios = _scenarios.active(self.settings)  # checks the scenario options now, before any replay
         self.kv_dtype = kv_dtype
 
     @classmethod
@@ -262,7 +266,11 @@ class EngineSimBackend:
         from .results import point_result
 
         s, bs = self.settings, meta.block_size
-        prep = prepare(trace, bs, use_salt=s["salt"], share_lora=s["share_lora_kv"], vllm_cap=pol.name == "vllm")
+        scenarios = _scenarios.active(s)
+        keyed, share_lora = trace, s["share_lora_kv"]
+        for sc in scenarios:
+            keyed, share_lora = sc.prepare_trace(keyed), sc.share_lora(share_lora)
+        prep = prepare(keyed, bs, use_salt=s["salt"], share_lora=share_lora, vllm_cap=pol.name == "vllm")
         pool_blocks = self.pool_blocks(bs)
         kvb = self.latency.kv_bytes_per_token * bs
         pool = None
@@ -281,6 +289,7 @@ class EngineSimBackend:
             instances.append(
                 Instance(i, cache, tiers, self.latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
             )
+            instances[-1].scenarios = scenarios
         arrival = trace.column("arrival_s").to_numpy().astype(np.float64)
         n_out = trace.column("output_tokens").to_numpy()
         reqs = [
@@ -304,8 +313,12 @@ class EngineSimBackend:
                     successors[p].append(r)
             col = trace.column("think_time_s") if "think_time_s" in trace.column_names else None
             think = np.zeros(len(reqs)) if col is None else col.fill_null(0.0).to_numpy().astype(np.float64)
-        timeline = simulate(instances, reqs, s["router"], successors, think)
-        return point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, latency_summary)
+        for sc in scenarios:
+            sc.attach(instances, reqs, trace, prep, bs)
+        timeline = simulate(instances, reqs, s["router"], successors, think, scenarios)
+        result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, latency_summary)
+        result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
+        return result
 
 
 def _calibration(path: str):

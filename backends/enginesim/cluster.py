@@ -73,7 +73,7 @@ def _cache_aware(instances, req, state):
     return max(instances, key=score)
 
 
-def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=None, think=None) -> dict:
+def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=None, think=None, scenarios=()) -> dict:
     """Run every request to completion. `successors[r]`: rows that wait for r (closed loop); a row with
     predecessors arrives when the last of them finishes plus its think time. Returns the KV timeline."""
     pick = ROUTERS[route]
@@ -90,6 +90,9 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
     for r in reqs:
         if waiting_for is None or waiting_for[r.row] == 0:
             arrivals.append((r.arrival, next(seq), r))
+    for sc in scenarios:
+        for when, fn in sc.timers():
+            arrivals.append((when, next(seq), fn))
     heapq.heapify(arrivals)
     span = max((r.arrival for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
     every = max(span, 1e-3) / TIMELINE_POINTS
@@ -122,7 +125,13 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
     while arrivals or steps:
         if arrivals and (not steps or arrivals[0][0] <= steps[0][0]):
             t, _, req = heapq.heappop(arrivals)
-            inst = pick(instances, req, state)
+            if callable(req):  # a scenario's timed event (an instance coming up, a user's KV deleted)
+                req(t)
+                continue
+            candidates = instances
+            for sc in scenarios:
+                candidates = sc.candidates(candidates, req, t)
+            inst = pick(candidates, req, state)
             req.instance = inst.index
             inst.routed += 1
             inst.enqueue(req)

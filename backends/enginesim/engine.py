@@ -59,6 +59,7 @@ class Instance:
         self.busy = False
         self.routed = 0  # requests the router sent here
         self.queued_tokens = 0  # prompt tokens of the waiting requests (kept, not summed per routing decision)
+        self.scenarios: list = []
         self.window = None  # (token, start, seconds per iteration, iterations, pieces, decoding) in flight
         self.rejected: list[Req] = []  # prompts larger than the whole pool: they could never run
         self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_bytes": 0, "load_bytes": {}, "steps": 0}
@@ -98,9 +99,13 @@ class Instance:
                 self.stats["load_bytes"][tier.name] = (
                     self.stats["load_bytes"].get(tier.name, 0) + n * self.kv_bytes_block
                 )
-            cached = min((hit + len(found)) * self.bs, req.n_in)
+            prefix = hit + len(found)
+            more = sum(sc.extra_hits(self, req, prefix) for sc in self.scenarios)
+            cached = min((prefix + more) * self.bs, req.n_in)
             if req.hit is None:
                 req.hit = {"hbm": hit} | {t.name: sum(1 for f in found if f is t) for t in self.tiers.lower}
+                if more:
+                    req.hit["reused"] = more  # beyond the prefix: position-independent reuse
             else:  # a recompute after preemption: what is not cached any more is computed again
                 req.recomputed += max(0, req.context - cached)
                 self.stats["recomputed_tokens"] += max(0, req.context - cached)

@@ -19,7 +19,7 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
     ttft, e2el = first - arrival, finish - arrival
     tpot = np.where(n_out > 1, (finish - first) / np.maximum(n_out - 1, 1), np.nan)
     tiers = ("hbm", "dram", "ssd", "global")
-    hits = {t: np.array([(r.hit or {}).get(t, 0) for r in reqs], dtype=np.int64) for t in tiers}
+    hits = {t: np.array([(r.hit or {}).get(t, 0) for r in reqs], dtype=np.int64) for t in (*tiers, "reused")}
     hit_blocks = sum(hits.values())
     inp = prep.input_tokens.astype(np.int64)
 

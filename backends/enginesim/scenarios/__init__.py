@@ -1,0 +1,63 @@
+"""What-if scenarios of the engine simulator, one module each, registered here when imported (no list kept by
+hand). A scenario contributes its own `kvbench replay --backend engine-sim` options and is active when they
+ask for it; it acts through a few hooks of the simulation and adds its facts to the point's summary under
+`engine.scenarios.<name>`."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import click
+import pyarrow as pa
+
+from kvbench.registry import Registry
+
+
+class Scenario:
+    name: ClassVar[str]
+    options: ClassVar[list[click.Option]] = []
+
+    @classmethod
+    def create(cls, settings: dict) -> Scenario | None:
+        """The scenario for these backend settings, or None when its options leave it off."""
+        raise NotImplementedError
+
+    def prepare_trace(self, trace: pa.Table) -> pa.Table:
+        """The trace as the cache keys should see it (before salts and adapters are folded in)."""
+        return trace
+
+    def share_lora(self, default: bool) -> bool:
+        return default
+
+    def attach(self, instances: list, reqs: list, trace: pa.Table, prep, block_size: int) -> None:
+        """Called once the instances and requests exist."""
+
+    def extra_hits(self, inst, req, prefix: int) -> int:
+        """Blocks after the cached prefix (`prefix` blocks, all tiers) that need no prefill all the same."""
+        return 0
+
+    def candidates(self, instances: list, req, t: float) -> list:
+        """The instances this request may be routed to (the router picks among them)."""
+        return instances
+
+    def timers(self) -> list[tuple[float, object]]:
+        """(time, callable(t)) events to run during the simulation."""
+        return []
+
+    def summary(self, reqs: list, instances: list, prep, kv_bytes_block: float) -> dict:
+        return {}
+
+
+_REGISTRY: Registry[type[Scenario]] = Registry(__name__, "scenario")
+
+
+def scenario(cls: type[Scenario]) -> type[Scenario]:
+    _REGISTRY.add(cls.name, cls)
+    return cls
+
+
+registry = _REGISTRY.all
+
+
+def active(settings: dict) -> list[Scenario]:
+    return [s for cls in registry().values() if (s := cls.create(settings)) is not None]
