@@ -285,11 +285,10 @@ class EngineSimBackend:
                 pool,
                 s["write_through"],
             )
-            _hook(cache, tiers)
-            instances.append(
-                Instance(i, cache, tiers, self.latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
-            )
-            instances[-1].scenarios = scenarios
+            inst = Instance(i, cache, tiers, self.latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
+            inst.scenarios = scenarios
+            _hook(inst)
+            instances.append(inst)
         arrival = trace.column("arrival_s").to_numpy().astype(np.float64)
         n_out = trace.column("output_tokens").to_numpy()
         reqs = [
@@ -347,16 +346,20 @@ def _preemption(text: str) -> tuple[str, int]:
     raise KvbenchError(f"--preemption {text!r}: use recompute, swap or protect-after=N (N generated tokens)")
 
 
-def _hook(cache, tiers: TierStack) -> None:
-    """Let the tiers see what the HBM policy admits and evicts, without touching the policy's code."""
+def _hook(inst: Instance) -> None:
+    """Let the tiers see what the HBM policy admits and evicts, and time each block's life in HBM, without
+    touching the policy's code."""
+    cache, tiers = inst.cache, inst.tiers
     insert, evict = cache.insert, cache.evict
 
     def inserted(key):
         insert(key)
+        inst.born[key] = inst.now
         tiers.admitted(key)
 
     def evicted(key):
         evict(key)
+        inst.lifetimes.append(inst.now - inst.born.pop(key, inst.now))
         tiers.evicted(key)
 
     cache.insert, cache.evict = inserted, evicted

@@ -60,6 +60,9 @@ class Instance:
         self.routed = 0  # requests the router sent here
         self.queued_tokens = 0  # prompt tokens of the waiting requests (kept, not summed per routing decision)
         self.scenarios: list = []
+        self.now = 0.0  # simulated time of the work being planned or applied (for hooks that need it)
+        self.born: dict[int, float] = {}  # cached block -> when HBM admitted it
+        self.lifetimes: list[float] = []  # seconds each evicted block stayed in HBM
         self.window = None  # (token, start, seconds per iteration, iterations, pieces, decoding) in flight
         self.rejected: list[Req] = []  # prompts larger than the whole pool: they could never run
         self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_bytes": 0, "load_bytes": {}, "steps": 0}
@@ -146,6 +149,7 @@ class Instance:
         """Choose this iteration's work; returns (seconds it takes, prefill pieces, decoding requests, steps).
         A decode-only batch runs several identical iterations at once, up to the first request that finishes
         (or `horizon`); an arrival cuts such a window short (cluster.simulate): what makes long traces quick."""
+        self.now = now
         budget = self.sched.max_num_batched_tokens
         extra_s = 0.0
         # decodes that cross into a new block need one; preempt from the back until they fit
@@ -210,6 +214,7 @@ class Instance:
     def finish_step(self, t: float, pieces, decoding, steps: int = 1) -> list[Req]:
         """Apply an iteration (or `steps` identical decode iterations) that ended at time t; returns the
         requests that finished."""
+        self.now = t
         done = []
         for r, take in pieces:
             r.todo -= take

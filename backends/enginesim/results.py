@@ -87,6 +87,7 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
         },
         "hit_blocks": {"local": local, "global": int(hits["global"].sum())},
         "requests_per_instance": _per_instance(reqs, instances),
+        "kv_lifetime_s": _lifetimes(instances),
     }
     matrix = sum(inst.cache.out.evict_matrix for inst in instances)
     extra = {
@@ -98,6 +99,18 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
     }
     labels = {"policy": pol.name, "instances": len(instances)}
     return PointResult(labels=labels, columns=columns, extra=extra)
+
+
+def _lifetimes(instances) -> dict:
+    """Seconds blocks stayed in HBM: evicted ones, and the ones still cached at the end (censored there)."""
+    end = max(i.now for i in instances)
+    evicted = np.concatenate([np.asarray(i.lifetimes, dtype=np.float64) for i in instances])
+    alive = np.concatenate([end - np.fromiter(i.born.values(), np.float64, len(i.born)) for i in instances])
+    out = {"evicted": int(evicted.size), "still_cached": int(alive.size)}
+    for name, x in (("evicted_s", evicted), ("all_s", np.concatenate([evicted, alive]))):
+        if x.size:
+            out[name] = {f"p{q}": float(np.percentile(x, q)) for q in (10, 50, 90, 99)}
+    return out
 
 
 def _per_instance(reqs, instances) -> list[int]:
