@@ -90,10 +90,11 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
     for r in reqs:
         if waiting_for is None or waiting_for[r.row] == 0:
             arrivals.append((r.arrival, next(seq), r))
-    for sc in scenarios:
-        for when, fn in sc.timers():
-            arrivals.append((when, next(seq), fn))
     heapq.heapify(arrivals)
+    for sc in scenarios:
+        sc.schedule = lambda when, fn: heapq.heappush(arrivals, (when, next(seq), fn))
+        for when, fn in sc.timers():
+            sc.schedule(when, fn)
     span = max((r.arrival for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
     every = max(span, 1e-3) / TIMELINE_POINTS
     timeline = {"t_s": [], "kv_usage": [], "running": [], "waiting": []}
