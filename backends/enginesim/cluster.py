@@ -145,7 +145,12 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
         if token in cancelled:
             cancelled.discard(token)
             continue
-        for done in inst.finish_step(t, pieces, decoding, n):
+        finished = inst.finish_step(t, pieces, decoding, n)
+        for req in inst.handed:  # disaggregated prefill done: the KV crosses the link, then decode elsewhere
+            delay = sum(sc.handoff_s(req) for sc in scenarios)
+            heapq.heappush(arrivals, (t + delay, next(seq), req))
+        inst.handed.clear()
+        for done in finished:
             if successors is not None:
                 for s in successors[done.row]:
                     waiting_for[s] -= 1

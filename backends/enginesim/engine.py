@@ -38,6 +38,8 @@ class Req:
     recomputed: int = 0  # tokens computed again after preemptions
     swapped: bool = False  # preempted by swapping: its KV waits on the host
     instance: int = -1
+    cached_on: int = -1  # the instance whose prefix cache holds this request's blocks while it runs
+    handoff: bool = False  # disaggregated: prefilled elsewhere, its KV moved here to decode
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Instance:
         self.routed = 0  # requests the router sent here
         self.queued_tokens = 0  # prompt tokens of the waiting requests (kept, not summed per routing decision)
         self.scenarios: list = []
+        self.role = "both"  # or "prefill" / "decode" when disaggregated
+        self.handed: list[Req] = []  # prefilled in the last step, to move to a decode instance
         self.now = 0.0  # simulated time of the work being planned or applied (for hooks that need it)
         self.born: dict[int, float] = {}  # cached block -> when HBM admitted it
         self.lifetimes: list[float] = []  # seconds each evicted block stayed in HBM
@@ -88,13 +92,20 @@ class Instance:
     def _admit(self, req: Req, now: float) -> float:
         """Look the request up and take its blocks; returns the seconds its lower-tier loads take."""
         load_s = 0.0
+        if req.handoff and not req.swapped:  # prefilled on a prefill instance: decode only (KV already here)
+            req.todo = 0
+            self.running.append(req)
+            self.used += self.blocks_for(req.context)
+            return 0.0
         if req.swapped:  # its KV comes back from the host as it was
             load_s = self.latency.transfer_s(self.blocks_for(req.context) * self.kv_bytes_block, self.pcie_bw)
             self.stats["swap_bytes"] += self.blocks_for(req.context) * self.kv_bytes_block
-            self.cache.begin(req.row)
+            if req.cached_on == self.index:
+                self.cache.begin(req.row)
             req.swapped = False
         else:
             hit = self.cache.begin(req.row)
+            req.cached_on = self.index
             found = self.tiers.find(req.keys, hit, req.max_hit) if self.tiers.lower else []
             for tier in {t.name: t for t in found}.values():
                 n = sum(1 for t in found if t is tier)
@@ -132,9 +143,11 @@ class Instance:
         self.used -= self.blocks_for(victim.context + victim.todo)
         victim.preemptions += 1
         self.stats["preemptions"] += 1
-        self.cache.end(victim.row)
+        if victim.cached_on == self.index:
+            self.cache.end(victim.row)
         mode = self.sched.preemption
         swap = mode == "swap" or (mode == "protect-after" and victim.generated > self.sched.protect_after)
+        swap = swap or victim.handoff  # a decode instance cannot recompute: it has no prefill role
         self.enqueue(victim, front=True)
         if swap:
             victim.swapped = True
@@ -219,8 +232,15 @@ class Instance:
         for r, take in pieces:
             r.todo -= take
             r.context += take
-            if r.todo == 0:  # the iteration that completes the prefill samples a token
+            if r.todo == 0 and self.role == "prefill":  # disaggregated: the KV moves to a decode instance
+                self.handed.append(r)
+            elif r.todo == 0:  # the iteration that completes the prefill samples a token
                 self._token(r, t, done)
+        for r in self.handed:
+            self.running.remove(r)
+            self.used -= self.blocks_for(r.context)
+            self.cache.end(r.row)
+            r.handoff = True
         for r in decoding:
             if steps > 1:  # the first step's block was taken when it was planned
                 self.used += self.blocks_for(r.context + steps) - self.blocks_for(r.context + 1)
@@ -230,7 +250,8 @@ class Instance:
         for r in done:
             self.running.remove(r)
             self.used -= self.blocks_for(r.context)
-            self.cache.end(r.row)
+            if r.cached_on == self.index:
+                self.cache.end(r.row)
         return done
 
     def _token(self, r: Req, t: float, done: list) -> None:

@@ -40,6 +40,12 @@ class Scenario:
         """The instances this request may be routed to (the router picks among them)."""
         return instances
 
+    def handoff_s(self, req) -> float:
+        """Seconds a prefilled request's KV takes to reach a decode instance (disaggregated serving)."""
+        return 0.0
+
+    # simulate() sets `schedule(when, fn)`: run fn(t) at simulated time `when` (e.g. an instance coming up)
+
     def timers(self) -> list[tuple[float, object]]:
         """(time, callable(t)) events to run during the simulation."""
         return []
