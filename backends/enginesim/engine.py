@@ -106,6 +106,8 @@ class Instance:
         else:
             hit = self.cache.begin(req.row)
             req.cached_on = self.index
+            for sc in self.scenarios:
+                sc.admitted(self, req)
             found = self.tiers.find(req.keys, hit, req.max_hit) if self.tiers.lower else []
             for tier in {t.name: t for t in found}.values():
                 n = sum(1 for t in found if t is tier)
@@ -250,7 +252,7 @@ class Instance:
         for r in done:
             self.running.remove(r)
             self.used -= self.blocks_for(r.context)
-            if r.cached_on == self.index:
+            if r.cached_on == self.index and not any(sc.retain(self, r) for sc in self.scenarios):
                 self.cache.end(r.row)
         return done
 

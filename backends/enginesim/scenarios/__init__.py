@@ -40,6 +40,13 @@ class Scenario:
         """The instances this request may be routed to (the router picks among them)."""
         return instances
 
+    def retain(self, inst, req) -> bool:
+        """True to keep a finished request's blocks held (the scenario ends them later)."""
+        return False
+
+    def admitted(self, inst, req) -> None:
+        """A request was looked up and took its blocks on `inst`."""
+
     def handoff_s(self, req) -> float:
         """Seconds a prefilled request's KV takes to reach a decode instance (disaggregated serving)."""
         return 0.0
