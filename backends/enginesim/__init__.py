@@ -226,6 +226,8 @@ class EngineSimBackend:
             "calibration": calib and vars(calib),
             "salt": salt,
             "share_lora_kv": share_lora_kv,
+            # scenario options not given (a call from Python rather than the CLI) take their declared defaults
+            **{o.name: o.default for sc in _scenarios.registry().values() for o in sc.options},
             **scenario_options,
         }
         self.scenarios = _scenarios.active(self.settings)  # checks the scenario options now, before any replay

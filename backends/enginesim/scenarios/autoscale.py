@@ -23,6 +23,7 @@ class Autoscale(Scenario):
             ["--autoscale"],
             type=click.IntRange(min=1),
             help="instances active at the start; more start under load, up to --instances",
+            default=None,
         ),
         click.Option(
             ["--cold-start-s"],

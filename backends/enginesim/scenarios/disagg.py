@@ -24,6 +24,7 @@ class Disaggregation(Scenario):
             ["--disagg"],
             type=click.Choice(["pd", "attn-ffn"]),
             help="pd: separate prefill and decode instances; attn-ffn: report the cost of splitting attention from FFN",
+            default=None,
         ),
         click.Option(
             ["--prefill-instances"],

@@ -36,14 +36,19 @@ class UserKV(Scenario):
             ["--delete-user"],
             multiple=True,
             help="USER@SECONDS: delete that user's KV at that trace time (seconds); repeatable",
+            default=None,
         ),
         click.Option(
             ["--user-kv-ttl"],
             type=click.FloatRange(min=0, min_open=True),
             help="seconds a user's block stays reachable after its last use",
+            default=None,
         ),
         click.Option(
-            ["--user-kv-quota"], type=click.IntRange(min=1), help="blocks one user may keep cached (oldest first out)"
+            ["--user-kv-quota"],
+            type=click.IntRange(min=1),
+            help="blocks one user may keep cached (oldest first out)",
+            default=None,
         ),
     ]
 
