@@ -73,6 +73,40 @@ def server_section(point: dict) -> Section:
     return Section("Server counters", [note, Table(["counter", "sum over responses", "server delta", "agree"], rows)])
 
 
+def _flat(d: dict, prefix: str = "") -> list[list[str]]:
+    rows = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            rows += _flat(v, key + ".")
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            continue  # shown as its own table
+        else:
+            rows.append([key, num(v) if isinstance(v, int | float) and not isinstance(v, bool) else str(v)])
+    return rows
+
+
+def engine_section(point: dict) -> Section:
+    """A modeling backend's facts (engine-sim: preemptions, tier traffic, KV lifetimes) and each scenario's."""
+    engine = point.get("engine")
+    if not engine:
+        return Section("Engine model")
+    facts = {k: v for k, v in engine.items() if k != "scenarios"}
+    items: list = [Table(["fact", "value"], _flat(facts))]
+    for name, scenario in (engine.get("scenarios") or {}).items():
+        items.append(f"Scenario {name}:")
+        items.append(Table(["fact", "value"], _flat(scenario)))
+        for rows in scenario.values():
+            if isinstance(rows, list) and rows and isinstance(rows[0], dict):
+                items.append(
+                    Table(
+                        list(rows[0]),
+                        [[num(v) if isinstance(v, int | float) else str(v) for v in r.values()] for r in rows],
+                    )
+                )
+    return Section("Engine model", items)
+
+
 def sections(
     summary: dict, requests: pa.Table | None, trace: pa.Table | None, truncated: bool = False
 ) -> list[Section]:
@@ -86,6 +120,7 @@ def sections(
     if point is not None:
         out += latency_sections(point, requests)
         out.append(server_section(point))
+        out.append(engine_section(point))
         out.append(timeline_section(summary, point, requests, trace))
         out.append(agent_section(requests, trace, name))
         out.append(characterisation_section(requests, trace, name))
