@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-from ..errors import KvbenchError
 from .render import console
 
 
@@ -23,17 +21,12 @@ from .render import console
 def report(runs, trace_path):
     """Write report.md and the self-contained report.html of each run directory from its summary.json and
     requests.parquet (after an interrupted run, or with a newer kvbench)."""
+    from ..compare import load_run
     from ..report import write_reports
     from ..traceio import read_trace
 
     for run in runs:
-        summary_path = run / "summary.json"
-        if not summary_path.exists():
-            raise KvbenchError(f"{run}: no summary.json; give a directory made by kvbench replay")
-        try:
-            summary = json.loads(summary_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise KvbenchError(f"{summary_path}: not valid JSON ({exc})") from None
+        summary = {k: v for k, v in load_run(run).items() if not k.startswith("_")}
         path = trace_path or Path(summary["trace"]["path"])
         trace = None
         if path.exists() and not summary["trace"].get("streamed"):
