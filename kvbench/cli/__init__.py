@@ -40,6 +40,7 @@ def main() -> None:
 
 
 from .audit import audit  # noqa: E402  (attach subcommands after `main` exists)
+from .calibrate import calibrate  # noqa: E402
 from .compare import compare  # noqa: E402
 from .demo import demo  # noqa: E402
 from .engine import engine  # noqa: E402
@@ -56,3 +57,4 @@ main.add_command(compare)
 main.add_command(sweep)
 main.add_command(report)
 main.add_command(demo)
+main.add_command(calibrate)
