@@ -1,4 +1,4 @@
-"""`kvbench calibrate` (kvbench/calibrate.py): the fits on synthetic points, the measurement against the fake
+"""`kvbench calibrate` (kvbench/calibrate/): the fits on synthetic points, the measurement against the fake
 server whose inter-token time is known, the file it writes (loads into engine-sim, holds no secret), the CLI."""
 
 from __future__ import annotations
