@@ -227,7 +227,7 @@ class EngineSimBackend:
             "salt": salt,
             "share_lora_kv": share_lora_kv,
             # scenario options not given (a call from Python rather than the CLI) take their declared defaults
-            **{o.name: o.default for sc in _scenarios.registry().values() for o in sc.options},
+            **{o.name: _declared_default(o) for sc in _scenarios.registry().values() for o in sc.options},
             **scenario_options,
         }
         self.scenarios = _scenarios.active(self.settings)  # checks the scenario options now, before any replay
@@ -320,6 +320,12 @@ class EngineSimBackend:
         result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, latency_summary)
         result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
         return result
+
+
+def _declared_default(option: click.Option):
+    """An option's default as a value: click marks "no default" with a sentinel object (truthy), never None."""
+    default = option.default
+    return default if default is None or isinstance(default, bool | int | float | str | tuple | list) else None
 
 
 def _calibration(path: str):

@@ -21,6 +21,7 @@ class AgentTasks(Scenario):
         click.Option(
             ["--task-retention"],
             is_flag=True,
+            default=False,
             help="keep a finished call's KV held until the next call of its task starts (needs --closed-loop)",
         )
     ]
