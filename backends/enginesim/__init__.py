@@ -190,11 +190,7 @@ class EngineSimBackend:
 
         from .roofline import LatencyModel
 
-        known = _policies.registry()
-        self.policies = [p.strip() for p in str(policy).split(",") if p.strip()]
-        for p in self.policies:
-            if p not in known:
-                raise KvbenchError(f"unknown policy {p!r}; choose from: {', '.join(known)}")
+        self.policies = _policies.parse_names(policy)
         if router not in ROUTERS:
             raise KvbenchError(f"unknown router {router!r}; choose from: {', '.join(ROUTERS)}")
         loaded = load_specs(specs) if specs else None
@@ -275,9 +271,8 @@ class EngineSimBackend:
         prep = prepare(keyed, bs, use_salt=s["salt"], share_lora=share_lora, vllm_cap=pol.name == "vllm")
         pool_blocks = self.pool_blocks(bs)
         kvb = self.latency.kv_bytes_per_token * bs
-        pool = None
-        if self._blocks(s["global_pool"], bs):
-            pool = Tier("global", self._blocks(s["global_pool"], bs), s["pool_bandwidth_gbps"] * 1e9)
+        pool_size = self._blocks(s["global_pool"], bs)
+        pool = Tier("global", pool_size, s["pool_bandwidth_gbps"] * 1e9) if pool_size else None
         instances = []
         for i in range(s["instances"]):
             cache = pol.cache(prep, pool_blocks, {})

@@ -160,10 +160,10 @@ class Instance:
         return 0.0
 
     # --- one iteration --------------------------------------------------------------------------------------
-    def plan(self, now: float, horizon: float = float("inf")):
+    def plan(self, now: float):
         """Choose this iteration's work; returns (seconds it takes, prefill pieces, decoding requests, steps).
-        A decode-only batch runs several identical iterations at once, up to the first request that finishes
-        (or `horizon`); an arrival cuts such a window short (cluster.simulate): what makes long traces quick."""
+        A decode-only batch runs several identical iterations at once, up to the first request that finishes;
+        an arrival cuts such a window short (cluster.simulate): what makes long traces quick."""
         self.now = now
         budget = self.sched.max_num_batched_tokens
         extra_s = 0.0
@@ -206,18 +206,15 @@ class Instance:
             and not extra_s
             and (not self.waiting or len(self.running) >= self.sched.max_num_seqs or not self._fits(self.waiting[0]))
         ):
-            steps = self._fast_forward(decoding, step, now, horizon)
+            steps = self._fast_forward(decoding)
             if steps > 1:
                 mid = [r.context + (steps - 1) / 2 for r in decoding]  # KV grows linearly over the window
                 step = self.latency.step_s([], mid) * steps
         self.stats["steps"] += steps
         return step + extra_s, pieces, decoding, steps
 
-    def _fast_forward(self, decoding: list[Req], step: float, now: float, horizon: float) -> int:
-        k = min(r.n_out - r.generated for r in decoding)
-        if step > 0 and horizon < float("inf"):
-            k = min(k, max(1, int((horizon - now) / step)))
-        k = min(k, MAX_FAST_FORWARD)
+    def _fast_forward(self, decoding: list[Req]) -> int:
+        k = min(min(r.n_out - r.generated for r in decoding), MAX_FAST_FORWARD)
         if k <= 1:
             return 1
         # blocks the window's later steps need (the first step's were taken above)

@@ -147,10 +147,7 @@ class SimBackend:
         **policy_options,
     ):
         known = _policies.registry()
-        self.policies = [p.strip() for p in str(policy).split(",") if p.strip()]
-        for p in self.policies:
-            if p not in known:
-                raise KvbenchError(f"unknown policy {p!r}; choose from: {', '.join(known)}")
+        self.policies = _policies.parse_names(policy)
         if capacity is None and not curve:
             raise KvbenchError("give --capacity (e.g. --capacity 10000 or 1000,3000,10000) or --curve")
         if curve and not any(known[p].stack for p in self.policies):

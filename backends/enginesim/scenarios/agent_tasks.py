@@ -46,12 +46,9 @@ class AgentTasks(Scenario):
         self.held: dict[int, object] = {}  # finished row -> instance holding its blocks
         self.task = trace.column("session_id").cast("string").to_pylist()
         self.bs = block_size
-        self.retained_s = 0.0
         self.released_at: dict[int, float] = {}
-        self.finished_at: dict[int, float] = {}
 
     def retain(self, inst, req):
-        self.finished_at[req.row] = inst.now
         if self.retention and self.waiting_succ[req.row] > 0:
             self.held[req.row] = inst
             return True

@@ -72,11 +72,11 @@ class UserKV(Scenario):
         self.gone: set[tuple[int, int]] = set()  # deleted, expired or over quota: unreachable
         self.deleted: set[tuple[int, int]] = set()  # gone by a deletion, until computed again
         self.kept: dict[str, deque] = {}
+        self.born: dict[tuple[int, int], float] = {}  # reachable block -> since when it is held
         self.byte_seconds: dict[str, float] = {}
         self.kvb = instances[0].kv_bytes_block
         self.hits_on_deleted = 0
         self.hits_before = {u: 0 for u, _ in self.deletions}
-        self.instances = instances
         for inst in instances:
             self._wrap(inst)
 
@@ -118,7 +118,6 @@ class UserKV(Scenario):
         self.gone.discard(k)
         self.deleted.discard(k)
         self.owner[k], self.last_used[k] = user, now
-        self.born = getattr(self, "born", {})
         self.born[k] = now
         if self.quota is not None:
             mine = self.kept.setdefault(user, deque())
@@ -133,7 +132,7 @@ class UserKV(Scenario):
         self._close(k, now)
 
     def _close(self, k, now) -> None:
-        born = getattr(self, "born", {}).pop(k, None)
+        born = self.born.pop(k, None)
         if born is not None and k in self.owner:
             user = self.owner[k]
             self.byte_seconds[user] = self.byte_seconds.get(user, 0.0) + (now - born) * self.kvb
@@ -152,7 +151,7 @@ class UserKV(Scenario):
 
     def summary(self, reqs, instances, prep, kv_bytes_block):
         end = max(i.now for i in instances)
-        for k in list(getattr(self, "born", {})):
+        for k in list(self.born):
             self._close(k, end)
         top = sorted(self.byte_seconds.items(), key=lambda kv: -kv[1])[:20]
         return {

@@ -128,3 +128,15 @@ def policy(
 
 registry = _REGISTRY.all
 get = _REGISTRY.get
+
+
+def parse_names(spec) -> list[str]:
+    """`--policy a,b` as a list of registered policy names; an unknown one is an error that lists the choices."""
+    from kvbench.errors import KvbenchError
+
+    known = registry()
+    names = [p.strip() for p in str(spec).split(",") if p.strip()]
+    for p in names:
+        if p not in known:
+            raise KvbenchError(f"unknown policy {p!r}; choose from: {', '.join(known)}")
+    return names
