@@ -32,6 +32,16 @@ from .traceio import TraceMeta
 
 
 @dataclass
+class Progress:
+    """How far an offline point is: a backend whose points take long has a `progress` attribute, which the
+    runner sets to a callable taking one of these."""
+
+    done: int
+    total: int
+    what: str
+
+
+@dataclass
 class PointResult:
     """One configuration's answers. `columns` are per-request arrays aligned with the trace rows, named
     as in `kvbench.results.RESULT_SCHEMA` (hit_blocks, hit_tokens, evictions, ttft_s, …)."""

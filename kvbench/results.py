@@ -31,6 +31,7 @@ RESULT_SCHEMA = pa.schema(
         pa.field("tpot_s", pa.float64()),
         pa.field("e2el_s", pa.float64()),
         pa.field("queue_s", pa.float64()),  # arrival to first scheduled (modeled by engine-sim)
+        pa.field("prefill_tokens", pa.int32()),  # prompt tokens computed, not found in any cache tier (torch)
         pa.field("itl_s", pa.list_(pa.float32())),
         pa.field("ttfo_s", pa.float64()),  # time to first visible (non-reasoning) output
         pa.field("cached_tokens", pa.int32()),  # as reported by the server

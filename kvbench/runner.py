@@ -152,6 +152,8 @@ def run_replay(
             _finish(run_dir, summary, report, trace.table)
         return run_dir, summary
     writer = ResultWriter(run_dir / "requests.parquet")
+    if progress is not None and hasattr(backend, "progress"):
+        backend.progress = progress
     try:
         points = backend.replay(trace.table, meta) if scanned is None else backend.replay_stream(scanned)
         for point in points:

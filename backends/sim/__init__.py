@@ -50,6 +50,22 @@ def _parse_option(name: str, value):
         raise KvbenchError(f"--{name.replace('_', '-')} {value!r} must be a number") from None
 
 
+def policy_option_params() -> list[click.Option]:
+    """The options some policies take (quotas, priorities' duration, …), one per name, for any backend that
+    drives the policies; `parse_policy_options` reads their values."""
+    opts, seen = [], set()
+    for pname, pol in _policies.registry().items():
+        for oname, help in pol.options.items():
+            if oname not in seen:
+                seen.add(oname)
+                opts.append(click.Option([f"--{oname.replace('_', '-')}", oname], default=None, help=f"[{pname}] {help}"))
+    return opts
+
+
+def parse_policy_options(values: dict) -> dict:
+    return {k: _parse_option(k, v) for k, v in values.items() if v is not None}
+
+
 class SimBackend:
     name = "sim"
 
@@ -110,14 +126,7 @@ class SimBackend:
                 help="use the pure-Python reference implementations (slow; for verification)",
             ),
         ]
-        seen = set()
-        for pname, pol in pols.items():
-            for oname, help in pol.options.items():
-                if oname not in seen:
-                    seen.add(oname)
-                    opts.append(
-                        click.Option([f"--{oname.replace('_', '-')}", oname], default=None, help=f"[{pname}] {help}")
-                    )
+        opts += policy_option_params()
         return opts
 
     DEMO_POLICIES = "lru,radix-lru,s3fifo,vllm"
@@ -156,7 +165,7 @@ class SimBackend:
         self.capacity_spec, self.model, self.kv_dtype = capacity, model, kv_dtype
         self.curve, self.bound, self.salt, self.share_lora_kv = curve, bound, salt, share_lora_kv
         self.reference = reference
-        self.policy_options = {k: _parse_option(k, v) for k, v in policy_options.items() if v is not None}
+        self.policy_options = parse_policy_options(policy_options)
 
     def config(self) -> dict:
         return {

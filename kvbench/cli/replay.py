@@ -86,6 +86,7 @@ def replay(trace_path, backend, out, warmup, as_json, report, stream, resume, **
 
     Example: kvbench replay traces/samples/chat.parquet --policy lru,radix-lru --capacity 1000,3000,10000
     """
+    from ..backend import Progress as PointProgress
     from ..runner import run_replay
 
     if backend not in backend_names():
@@ -105,7 +106,9 @@ def replay(trace_path, backend, out, warmup, as_json, report, stream, resume, **
 
         def progress(item):
             nonlocal failed
-            if hasattr(item, "status"):  # a live request finished
+            if isinstance(item, PointProgress):  # an offline point's requests
+                bar.update(task, completed=item.done, total=item.total, description=item.what)
+            elif hasattr(item, "status"):  # a live request finished
                 failed += item.status != "ok"
                 bar.update(task, advance=1, description=f"replaying: {failed} failed")
             else:  # an offline configuration point finished

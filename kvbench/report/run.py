@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from .hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
 from .page import Section, Table, num, render_html, render_markdown
 from .timing import latency_sections, timeline_section
+from .transfers import transfer_section
 from .workload import agent_section, characterisation_section
 
 MAX_REPORT_ROWS = 2_000_000  # per-request plots read at most this many rows: a report of a huge run stays quick
@@ -121,6 +122,7 @@ def sections(
         out += latency_sections(point, requests)
         out.append(server_section(point))
         out.append(engine_section(point))
+        out.append(transfer_section(summary))
         out.append(timeline_section(summary, point, requests, trace))
         out.append(agent_section(requests, trace, name))
         out.append(characterisation_section(requests, trace, name))

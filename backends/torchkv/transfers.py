@@ -1,0 +1,180 @@
+"""Moving blocks between pools, timed, in one of three ways (`--copy-mode`):
+
+- `block`: one copy per block (what a naive offloader does; many small DMA transfers);
+- `coalesced`: runs of blocks consecutive in both pools move as one copy (or one vectored disk call);
+- `staged`: the blocks are gathered into a contiguous staging buffer on the source side, moved in one copy,
+  and scattered on the destination side (two extra on-device passes, one large transfer).
+
+Timing is per direction (`hbm->dram`, `dram->ssd`, …): CUDA events on a dedicated copy stream for what runs on
+the GPU, `perf_counter_ns` for host copies and disk calls, each call synchronised so that the bytes counted
+are bytes moved. The copy stream waits for the compute stream first, so a block is never sent before it is
+written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .pools import DiskPool, TensorPool, pinned_empty
+
+COPY_MODES = ("block", "coalesced", "staged")
+
+
+@dataclass
+class DirectionTraffic:
+    bytes: int = 0
+    blocks: int = 0
+    calls: int = 0  # copy calls (batches)
+    copies: int = 0  # individual copies issued (blocks, runs or staged transfers)
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else None
+        return {
+            "bytes": self.bytes,
+            "blocks": self.blocks,
+            "calls": self.calls,
+            "copies": self.copies,
+            "seconds": self.seconds,
+            "gb_per_s": gbps,
+        }
+
+
+def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src first, dst first, length) of the maximal runs consecutive in both lists."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
+class Mover:
+    def __init__(self, mode: str, device: torch.device):
+        if mode not in COPY_MODES:
+            raise ValueError(f"copy mode {mode!r}: choose {', '.join(COPY_MODES)}")
+        self.mode, self.device = mode, device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.traffic: dict[str, DirectionTraffic] = defaultdict(DirectionTraffic)
+        self._host_staging: dict[tuple, torch.Tensor] = {}
+
+    def host_staging(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor:
+        """A reusable contiguous host buffer of at least shape[0] blocks (pinned on CUDA), grown by doubling."""
+        key = (tag, shape[1:], dtype)
+        buf = self._host_staging.get(key)
+        if buf is None or buf.shape[0] < shape[0]:
+            n = max(shape[0], 2 * (buf.shape[0] if buf is not None else 0), 16)
+            buf = pinned_empty((n, *shape[1:]), dtype) if self.cuda else torch.empty((n, *shape[1:]), dtype=dtype)
+            old = self._host_staging.pop(key, None)
+            if old is not None and self.cuda:
+                torch.cuda.cudart().cudaHostUnregister(old.data_ptr())
+            self._host_staging[key] = buf
+        return buf[: shape[0]]
+
+    def copy(self, direction: str, src, src_slots: list[int], dst, dst_slots: list[int]) -> None:
+        """Move blocks src[src_slots[i]] → dst[dst_slots[i]] and count the bytes and time under `direction`."""
+        if not src_slots:
+            return
+        t = self.traffic[direction]
+        nblk = len(src_slots)
+        t.bytes += nblk * src.geometry.block_bytes
+        t.blocks += nblk
+        t.calls += 1
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                t0 = time.perf_counter_ns()
+                start.record()
+                t.copies += self._move(src, src_slots, dst, dst_slots)
+                end.record()
+            end.synchronize()
+            host_ns = time.perf_counter_ns() - t0
+            # disk calls are synchronous host work between the events; events alone miss nothing on the GPU side
+            t.seconds += max(start.elapsed_time(end) / 1e3, host_ns / 1e9 if _has_disk(src, dst) else 0.0)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        else:
+            t0 = time.perf_counter_ns()
+            t.copies += self._move(src, src_slots, dst, dst_slots)
+            t.seconds += (time.perf_counter_ns() - t0) / 1e9
+
+    # --- the moves, by pool kinds ----------------------------------------------------------------------
+    def _move(self, src, ss: list[int], dst, ds: list[int]) -> int:
+        if src.kind == "tensor" and dst.kind == "tensor":
+            return self._tensor_to_tensor(src, ss, dst, ds)
+        if src.kind == "tensor":  # → disk, through host blocks
+            return self._to_disk(src, ss, dst, ds)
+        if dst.kind == "tensor":
+            return self._from_disk(src, ss, dst, ds)
+        # disk → disk (a block that left the disk tier and came back to it in one request): via the host
+        buf = self.host_staging((len(ss), *src.geometry.block_shape), src.geometry.torch_dtype, "from-disk")
+        return self._disk_calls(src.read, list(buf), ss) + self._disk_calls(dst.write, list(buf), ds)
+
+    def _tensor_to_tensor(self, src: TensorPool, ss, dst: TensorPool, ds) -> int:
+        nb = self.cuda and (src.pinned or dst.pinned)
+        if self.mode == "block":
+            for s, d in zip(ss, ds):
+                dst.run(d, 1).copy_(src.run(s, 1), non_blocking=nb)
+            return len(ss)
+        if self.mode == "coalesced":
+            rr = runs(ss, ds)
+            for s, d, n in rr:
+                dst.run(d, n).copy_(src.run(s, n), non_blocking=nb)
+            return len(rr)
+        staged = src.gather(torch.tensor(ss, device=src.data.device))
+        if dst.data.device != staged.device:
+            landing = (
+                self.host_staging(tuple(staged.shape), staged.dtype, "landing")
+                if dst.data.device.type == "cpu"
+                else torch.empty_like(staged, device=dst.data.device)
+            )
+            landing.copy_(staged, non_blocking=nb)
+            staged = landing
+        dst.scatter(torch.tensor(ds, device=dst.data.device), staged)
+        return 1
+
+    def _to_disk(self, src: TensorPool, ss, dst: DiskPool, ds) -> int:
+        if src.data.device.type == "cpu" and src.layout == "block_major" and self.mode != "staged":
+            blocks = [src.data[s] for s in ss]  # already contiguous host blocks: write them in place
+        else:
+            gathered = src.gather(torch.tensor(ss, device=src.data.device))
+            buf = self.host_staging(tuple(gathered.shape), gathered.dtype, "to-disk")
+            buf.copy_(gathered)
+            blocks = list(buf)
+        return self._disk_calls(dst.write, blocks, ds)
+
+    def _from_disk(self, src: DiskPool, ss, dst: TensorPool, ds) -> int:
+        if dst.data.device.type == "cpu" and dst.layout == "block_major" and self.mode != "staged":
+            return self._disk_calls(src.read, [dst.data[d] for d in ds], ss)
+        buf = self.host_staging((len(ss), *src.geometry.block_shape), src.geometry.torch_dtype, "from-disk")
+        calls = self._disk_calls(src.read, list(buf), ss)
+        dst.scatter(torch.tensor(ds, device=dst.data.device), buf.to(dst.data.device, non_blocking=self.cuda))
+        return calls
+
+    def _disk_calls(self, call, blocks: list[torch.Tensor], disk_slots: list[int]) -> int:
+        """One call per block (`block` mode) or one vectored call per run of consecutive disk slots."""
+        if self.mode == "block":
+            for b, slot in zip(blocks, disk_slots):
+                call(slot, [b])
+            return len(blocks)
+        calls = 0
+        i = 0
+        while i < len(disk_slots):
+            j = i + 1
+            while j < len(disk_slots) and disk_slots[j] == disk_slots[j - 1] + 1:
+                j += 1
+            call(disk_slots[i], blocks[i:j])
+            calls += 1
+            i = j
+        return calls
+
+
+def _has_disk(src, dst) -> bool:
+    return src.kind == "disk" or dst.kind == "disk"
