@@ -104,11 +104,14 @@ class Instance:
                 self.cache.begin(req.row)
             req.swapped = False
         else:
+            # the tiers below are searched before the admission writes (through) or evicts anything into them,
+            # as an engine looks up its offload store before it allocates: a request never finds below HBM
+            # blocks it put there itself
+            found = self.tiers.find(req.keys, self.cache.lookup(req.row), req.max_hit) if self.tiers.lower else []
             hit = self.cache.begin(req.row)
             req.cached_on = self.index
             for sc in self.scenarios:
                 sc.admitted(self, req)
-            found = self.tiers.find(req.keys, hit, req.max_hit) if self.tiers.lower else []
             for tier in {t.name: t for t in found}.values():
                 n = sum(1 for t in found if t is tier)
                 load_s += self.latency.transfer_s(n * self.kv_bytes_block, tier.bandwidth)

@@ -111,9 +111,7 @@ class BlockStore:
         the admission evicts anything into them, as an engine looks up its offload store before it allocates:
         a request never "finds" below HBM a block that it pushed there itself."""
         self.log.clear()
-        prefix = 0
-        while prefix < max_hit and self.cache.contains(keys[prefix]):
-            prefix += 1
+        prefix = self.cache.lookup(r)
         found = [t.name for t in self.tiers.find(keys, prefix, max_hit)] if self.tiers.lower else []
         hit_slots = [self.hbm.slot[k] for k in keys[:prefix]]  # intact all request, even if evicted (FIFO)
         hit = self.cache.begin(r)

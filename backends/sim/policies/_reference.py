@@ -51,6 +51,15 @@ class PrefixCache:
     def full(self) -> bool:
         return len(self.owner) >= self.capacity
 
+    def lookup(self, r: int) -> int:
+        """Request r's cached prefix in blocks (capped at max_hit), changing nothing: what `begin` will hit."""
+        t = self.trace
+        keys = t.keys[t.offsets[r] : t.offsets[r + 1]]
+        hit = 0
+        while hit < t.max_hit[r] and self.contains(int(keys[hit])):
+            hit += 1
+        return hit
+
     def begin(self, r: int) -> int:
         """Request r arrives (or is scheduled): count its cached prefix, then admit its blocks. Returns the
         hit blocks. A time-aware caller (engine-sim) calls `end(r)` when it finishes, with other requests

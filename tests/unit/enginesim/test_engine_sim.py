@@ -76,6 +76,9 @@ def test_a_dram_tier_serves_what_hbm_evicted(short_mt, tmp_path):
     _, through = replay(short_mt, tmp_path, "wt", hbm_capacity="300", dram="20GB", write_through=True)
     written = lambda p: p["engine"]["tier_bytes"]["written"]["dram"]  # noqa: E731
     assert written(through) > written(p1)
+    # write-through copies a request's new blocks to DRAM as it admits them; the request must not then "find"
+    # them there: DRAM can only hold what write-back would also have kept (an earlier version found them all)
+    assert through["hit_rate"]["token"]["all"] <= p1["hit_rate"]["token"]["all"] + 1e-9
 
 
 def test_a_global_pool_raises_hits_across_ten_instances(tmp_path):
