@@ -94,6 +94,11 @@ MODELS = {
         # geometry in _tiny_gguf.py for llama.cpp): hidden 128, intermediate 256, 2 layers, 4 query heads, 2 KV
         # heads (head_dim 32), vocab 4096, untied lm_head → 512 KV bytes per token in bf16.
         ModelGeometry("kvbench-tiny", layers=2, kv_heads=2, head_dim=32, params=1_344_128, hidden=128, heads=4),
+        # The smallest geometry that still has grouped-query attention, for the torch backend's real attention on
+        # a CPU (tests, the chat sample in under two minutes): one layer, 2 query heads sharing 1 KV head of dim
+        # 16, hidden 32; params count that backend's attention-only stack (embedding 4096 × 32, q/k/v and
+        # output projections) → 64 KV bytes per token in bf16.
+        ModelGeometry("kvbench-micro", layers=1, kv_heads=1, head_dim=16, params=134_144, hidden=32, heads=2),
     )
 }
 
