@@ -132,6 +132,14 @@ class TorchBackend:
                 help="datasheet whose peak bandwidths the transfer report compares with [default: the "
                 "detected GPU, or cpu]",
             ),
+            click.Option(
+                ["--threads"],
+                type=click.IntRange(0),
+                default=0,
+                show_default=True,
+                help="CPU threads for torch (0: 1 without --compute, since block copies are memory-bound and a "
+                "second thread mostly adds wake-up stalls; every core with --compute, for the attention)",
+            ),
             click.Option(["--salt/--no-salt"], default=True, show_default=True, help="fold cache_salt into keys"),
             click.Option(
                 ["--share-lora-kv"], is_flag=True, default=False, help="let different LoRA adapters share KV"
@@ -157,6 +165,7 @@ class TorchBackend:
         decode_steps="auto",
         verify=False,
         hardware=None,
+        threads=0,
         salt=True,
         share_lora_kv=False,
         **policy_options,
@@ -179,6 +188,7 @@ class TorchBackend:
         self.disk_dir, self.disk_sync, self.write_through = disk_dir or tempfile.gettempdir(), disk_sync, write_through
         self.copy_mode, self.layout, self.model = copy_mode, layout, model
         self.compute, self.verify, self.hardware = compute, verify, hardware
+        self.threads = threads or (torch.get_num_threads() if compute else 1)
         self.salt, self.share_lora_kv = salt, share_lora_kv
         self.policy_options = parse_policy_options(policy_options)
 
@@ -198,12 +208,23 @@ class TorchBackend:
             "compute": self.compute,
             "decode_steps": self.decode_steps or "all",
             "verify": self.verify,
+            "threads": self.threads,
             "salt": self.salt,
             "share_lora_kv": self.share_lora_kv,
             "policy_options": self.policy_options,
         }
 
     def replay(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield from self._points(trace, meta)
+        finally:
+            torch.set_num_threads(before)
+
+    def _points(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
         from .geometry import KvGeometry
         from .replayer import PointReplay, Settings
 

@@ -136,3 +136,24 @@ def test_cli_replay_and_errors(small_trace, tmp_path):
     help_text = runner.invoke(main, ["replay", "--backend", "torch", "--help"]).output
     for flag in ("--host-capacity", "--disk-capacity", "--copy-mode", "--compute", "--layout"):
         assert flag in help_text
+
+
+def test_computed_kv_survives_the_tiers(small_trace, tmp_path):
+    """Compute on: the KV a prefill wrote goes down to DRAM and disk and comes back bit for bit."""
+    summary, table = _replay(
+        small_trace("chat", 80),
+        "torch",
+        tmp_path,
+        model="kvbench-micro",
+        capacity="100",
+        host_capacity="200",
+        disk_capacity="2000",
+        disk_dir=str(tmp_path),
+        compute=True,
+        decode_steps="1",
+        verify=True,
+    )
+    facts = summary["points"][0]["torch"]
+    assert facts["verify"]["checked"] > 100 and facts["verify"]["mismatches"] == 0
+    rows = _point(table, "lru/100")
+    assert np.array_equal(rows["prefill_tokens"], np.maximum(rows["input_tokens"] - rows["hit_tokens"], 1))
