@@ -40,7 +40,11 @@ class TorchReplay:
         from kvbench.backends.sim import SimBackend
 
         t0 = time.perf_counter()
-        list(SimBackend(policy="lru", capacity=OPTIONS["capacity"], bound=False, reference=True).replay(self.table, self.meta))
+        list(
+            SimBackend(policy="lru", capacity=OPTIONS["capacity"], bound=False, reference=True).replay(
+                self.table, self.meta
+            )
+        )
         sim = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._replay(copy_mode)

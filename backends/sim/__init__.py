@@ -58,7 +58,9 @@ def policy_option_params() -> list[click.Option]:
         for oname, help in pol.options.items():
             if oname not in seen:
                 seen.add(oname)
-                opts.append(click.Option([f"--{oname.replace('_', '-')}", oname], default=None, help=f"[{pname}] {help}"))
+                opts.append(
+                    click.Option([f"--{oname.replace('_', '-')}", oname], default=None, help=f"[{pname}] {help}")
+                )
     return opts
 
 

@@ -17,8 +17,8 @@ from kvbench.errors import KvbenchError
 from kvbench.hardware import HARDWARE
 from kvbench.traceio import TraceMeta
 
-from ..sim import policies as _policies
 from ..sim import parse_policy_options, policy_option_params
+from ..sim import policies as _policies
 from ..sim.prepared import prepare
 
 COPY_MODES = ("block", "coalesced", "staged")
@@ -141,9 +141,7 @@ class TorchBackend:
                 "second thread mostly adds wake-up stalls; every core with --compute, for the attention)",
             ),
             click.Option(["--salt/--no-salt"], default=True, show_default=True, help="fold cache_salt into keys"),
-            click.Option(
-                ["--share-lora-kv"], is_flag=True, default=False, help="let different LoRA adapters share KV"
-            ),
+            click.Option(["--share-lora-kv"], is_flag=True, default=False, help="let different LoRA adapters share KV"),
             *policy_option_params(),
         ]
 
@@ -253,7 +251,9 @@ class TorchBackend:
                     if self.progress is not None:
                         self.progress(Progress(done, total, f"torch {label}"))
 
-                run = PointReplay(settings, geometry, prep, trace, pol.cache(prep, cap.blocks, self.policy_options), progress)
+                run = PointReplay(
+                    settings, geometry, prep, trace, pol.cache(prep, cap.blocks, self.policy_options), progress
+                )
                 point = run.run(labels)
                 point.extra["capacity"] = cap.text
                 yield point

@@ -21,6 +21,21 @@ from kvbench.errors import KvbenchError
 
 from .geometry import KvGeometry, block_dim
 
+IOV_MAX = 1024  # buffers per preadv/pwritev call (Linux)
+CALL_BYTES = 1 << 30  # bytes per call: Linux moves at most 0x7ffff000 bytes in one
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers after their first n bytes."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -63,7 +78,7 @@ class TensorPool:
                 if pin
                 else torch.empty(shape, dtype=geometry.torch_dtype, device=device)
             )
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError):  # the CPU allocator raises a plain RuntimeError
             raise KvbenchError(
                 f"{name}: {blocks:,} blocks × {geometry.block_bytes:,} B do not fit on {device}; lower the capacity"
             ) from None
@@ -122,22 +137,34 @@ class DiskPool:
         return self.blocks * self.block_bytes
 
     def write(self, first: int, blocks: list[torch.Tensor]) -> None:
-        """Write contiguous host blocks to consecutive slots from `first`, in one vectored call."""
-        views = [memoryview(b.view(torch.uint8).numpy()) for b in blocks]
+        """Write contiguous host blocks to consecutive slots from `first`, in as few vectored calls as the kernel
+        takes (at most IOV_MAX buffers and about 2 GiB per call)."""
         offset = first * self.block_bytes
-        done = os.pwritev(self.fd, views, offset)
-        if done != len(blocks) * self.block_bytes:
-            raise KvbenchError(f"{self.path}: short write ({done} of {len(blocks) * self.block_bytes} bytes)")
+        self._vectored(os.pwritev, blocks, offset, "write")
         if self.sync:  # write through the page cache and drop it, so later reads come from the drive
             os.fdatasync(self.fd)
-            os.posix_fadvise(self.fd, offset, done, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self.fd, offset, len(blocks) * self.block_bytes, os.POSIX_FADV_DONTNEED)
 
     def read(self, first: int, blocks: list[torch.Tensor]) -> None:
-        """Read consecutive slots from `first` into contiguous host blocks, in one vectored call."""
-        views = [memoryview(b.view(torch.uint8).numpy()) for b in blocks]
-        done = os.preadv(self.fd, views, first * self.block_bytes)
-        if done != len(blocks) * self.block_bytes:
-            raise KvbenchError(f"{self.path}: short read ({done} of {len(blocks) * self.block_bytes} bytes)")
+        """Read consecutive slots from `first` into contiguous host blocks."""
+        self._vectored(os.preadv, blocks, first * self.block_bytes, "read")
+
+    def _vectored(self, call, blocks: list[torch.Tensor], offset: int, what: str) -> None:
+        views = [memoryview(b.view(torch.uint8).numpy()).cast("B") for b in blocks]
+        per_call = max(1, min(IOV_MAX, CALL_BYTES // self.block_bytes))
+        for i in range(0, len(views), per_call):
+            batch = views[i : i + per_call]
+            want = len(batch) * self.block_bytes
+            done = call(self.fd, batch, offset)
+            while 0 < done < want:  # a partial transfer: go on from where it stopped
+                rest = _skip(batch, done)
+                more = call(self.fd, rest, offset + done)
+                if more <= 0:
+                    break
+                done += more
+            if done != want:
+                raise KvbenchError(f"{self.path}: short {what} ({done} of {want} bytes at offset {offset})")
+            offset += want
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -58,7 +58,9 @@ class PointReplay:
         bs = prep.block_size
         out_tokens = trace.column("output_tokens").to_numpy().astype(np.int64)
         # scratch: a request's blocks the cache does not keep, and its decode blocks (one more for copy-on-write)
-        self.scratch = longest + 2 + (int((out_tokens.max() + bs - 1) // bs) if settings.compute and len(out_tokens) else 0)
+        self.scratch = (
+            longest + 2 + (int((out_tokens.max() + bs - 1) // bs) if settings.compute and len(out_tokens) else 0)
+        )
         hbm_slots = self.store.hbm.physical
         self.hbm = TensorPool(HBM, geometry, hbm_slots + self.scratch, settings.device, geometry.layout)
         self.hbm.data.zero_()
@@ -69,7 +71,9 @@ class PointReplay:
                 "dram", geometry, self.store.dram.slots.physical, torch.device("cpu"), "block_major", pin=cuda
             )
         if settings.ssd:
-            self.pools["ssd"] = DiskPool("ssd", geometry, self.store.ssd.slots.physical, settings.disk_dir, settings.disk_sync)
+            self.pools["ssd"] = DiskPool(
+                "ssd", geometry, self.store.ssd.slots.physical, settings.disk_dir, settings.disk_sync
+            )
         self.scratch_slots = list(range(hbm_slots, hbm_slots + self.scratch))
         self.mover = Mover(settings.copy_mode, settings.device)
         self.clock = Clock(settings.device)
@@ -108,7 +112,8 @@ class PointReplay:
                 start = min((hit + len(plan.found)) * prep.block_size, int(inp[r]))
                 if self.model is not None:
                     tokens = torch.as_tensor(
-                        prompt_tokens(np.asarray(hashes[r].values), int(inp[r]), prep.block_size, VOCAB), device=self.s.device
+                        prompt_tokens(np.asarray(hashes[r].values), int(inp[r]), prep.block_size, VOCAB),
+                        device=self.s.device,
                     )
                     before = self.model.computed_tokens
                     self.model.prefill(self.hbm.data, table, tokens, start)
@@ -135,6 +140,7 @@ class PointReplay:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
+        self.mover.close()
 
     # --- the steps -----------------------------------------------------------------------------------------
     def _block_table(self, plan) -> torch.Tensor:
@@ -204,7 +210,9 @@ class PointReplay:
         scratch = iter(self.scratch_slots[self._next_scratch :])
         if n_in % bs:
             cow = next(scratch)
-            self.hbm.scatter(torch.tensor([cow], device=self.s.device), self.hbm.gather(table[n_in // bs : n_in // bs + 1]))
+            self.hbm.scatter(
+                torch.tensor([cow], device=self.s.device), self.hbm.gather(table[n_in // bs : n_in // bs + 1])
+            )
             blocks.append(cow)
         while len(blocks) * bs <= last:
             blocks.append(next(scratch))

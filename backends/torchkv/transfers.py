@@ -105,6 +105,13 @@ class Mover:
             t.copies += self._move(src, src_slots, dst, dst_slots)
             t.seconds += (time.perf_counter_ns() - t0) / 1e9
 
+    def close(self) -> None:
+        """Give back the page-locked staging buffers."""
+        for buf in self._host_staging.values():
+            if self.cuda:
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self._host_staging.clear()
+
     # --- the moves, by pool kinds ----------------------------------------------------------------------
     def _move(self, src, ss: list[int], dst, ds: list[int]) -> int:
         if src.kind == "tensor" and dst.kind == "tensor":
@@ -136,6 +143,8 @@ class Mover:
                 else torch.empty_like(staged, device=dst.data.device)
             )
             landing.copy_(staged, non_blocking=nb)
+            if nb and dst.data.device.type == "cpu":  # the host scatter below must not read it before it lands
+                torch.cuda.current_stream(self.device).synchronize()
             staged = landing
         dst.scatter(torch.tensor(ds, device=dst.data.device), staged)
         return 1
