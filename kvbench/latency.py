@@ -136,6 +136,29 @@ def latency_summary(cols: dict, warmup: np.ndarray, tenants: list, slo: dict[str
     return out
 
 
+def modeled_latency_summary(ttft, tpot, e2el, output_tokens, tenants: list, *, send=None, ok=None, itl=None) -> dict:
+    """`latency_summary` for an offline backend's times (engine-sim's modeled, torch's measured service times):
+    sent when it arrived (`send`, zeros when requests have no clock), nothing queued behind a client."""
+    n = len(ttft)
+    zeros = np.zeros(n)
+    send = zeros if send is None else send
+    cols = {
+        "ok": np.ones(n, bool) if ok is None else ok,
+        "actual_send_s": send,
+        "scheduled_send_s": send,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "e2el_s": e2el,
+        "itl_s": [None] * n if itl is None else itl,
+        "ttfo_s": np.full(n, np.nan),
+        "output_tokens": output_tokens,
+        "ttft_from_scheduled_s": ttft,
+        "e2el_from_scheduled_s": e2el,
+        "schedule_lag_s": zeros,
+    }
+    return latency_summary(cols, np.zeros(n, dtype=bool), tenants, {})
+
+
 def _by_tenant(cols: dict, measured: np.ndarray, tenants: list) -> list[dict]:
     names = np.array(["(none)" if t is None else str(t) for t in tenants], dtype=object)
     rows = []

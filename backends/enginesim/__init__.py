@@ -14,7 +14,7 @@ import pyarrow as pa
 from kvbench.backend import PointResult
 from kvbench.capacity import KV_DTYPE_BYTES, parse_capacity
 from kvbench.errors import KvbenchError
-from kvbench.latency import latency_summary
+from kvbench.latency import modeled_latency_summary
 from kvbench.traceio import TraceMeta
 
 from ..sim import policies as _policies
@@ -312,7 +312,7 @@ class EngineSimBackend:
         for sc in scenarios:
             sc.attach(instances, reqs, trace, prep, bs)
         timeline = simulate(instances, reqs, s["router"], successors, think, scenarios)
-        result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, latency_summary)
+        result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, modeled_latency_summary)
         result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
         return result
 

@@ -45,22 +45,8 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
         "status": np.where(ok, "ok", "error"),
         "error": np.where(ok, None, "prompt larger than the instance's KV pool"),
     }
-    cols = {
-        "ok": ok,
-        "actual_send_s": arrival,
-        "scheduled_send_s": arrival,
-        "ttft_s": ttft,
-        "tpot_s": tpot,
-        "e2el_s": e2el,
-        "itl_s": [None] * n,
-        "ttfo_s": np.full(n, np.nan),
-        "output_tokens": n_out,
-        "ttft_from_scheduled_s": ttft,
-        "e2el_from_scheduled_s": e2el,
-        "schedule_lag_s": np.zeros(n),
-    }
     tenants = prep.tenant_names
-    latency = latency_summary(cols, np.zeros(n, dtype=bool), [tenants[t] for t in prep.tenant], {})
+    latency = latency_summary(ttft, tpot, e2el, n_out, [tenants[t] for t in prep.tenant], send=arrival, ok=ok)
     queue = columns["queue_s"][ok]
     stats = [inst.stats for inst in instances]
     load_bytes: dict[str, int] = {}

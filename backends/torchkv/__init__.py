@@ -242,7 +242,7 @@ class TorchBackend:
             for cap in caps:
                 settings = Settings(
                     self.device, cap.blocks, dram, ssd, self.disk_dir, self.disk_sync, self.write_through,
-                    self.copy_mode, self.compute, self.decode_steps, self.verify,
+                    self.copy_mode, self.compute, self.decode_steps, self.verify, self.hardware,
                 )  # fmt: skip
                 labels = {"policy": name, "capacity_blocks": cap.blocks}
                 label = "/".join(map(str, labels.values()))

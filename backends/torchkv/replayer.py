@@ -37,6 +37,7 @@ class Settings:
     compute: bool
     decode_steps: int  # measured decode steps per request; 0 = every step
     verify: bool
+    hardware: str | None = None  # datasheet for the transfer report's peaks (None: detect)
 
 
 class Clock:
@@ -231,7 +232,7 @@ class PointReplay:
 
     # --- the answers ------------------------------------------------------------------------------------------
     def _result(self, labels, cols, ttft, tpot, e2el, itl, out_tokens) -> PointResult:
-        from kvbench.latency import latency_summary
+        from kvbench.latency import modeled_latency_summary
 
         from .bandwidth import hardware_for, transfer_report
 
@@ -262,28 +263,15 @@ class PointReplay:
         if self.model is not None:
             n = prep.n_requests
             columns.update(ttft_s=ttft, tpot_s=tpot, e2el_s=e2el, itl_s=itl)
-            lat = {
-                "ok": np.ones(n, bool),
-                "actual_send_s": np.zeros(n),
-                "scheduled_send_s": np.zeros(n),
-                "ttft_s": ttft,
-                "tpot_s": tpot,
-                "e2el_s": e2el,
-                "itl_s": itl,
-                "ttfo_s": np.full(n, np.nan),
-                "output_tokens": out_tokens,
-                "ttft_from_scheduled_s": ttft,
-                "e2el_from_scheduled_s": e2el,
-                "schedule_lag_s": np.zeros(n),
-            }
-            summary = latency_summary(lat, np.zeros(n, bool), [prep.tenant_names[t] for t in prep.tenant], {})
+            tenants = [prep.tenant_names[t] for t in prep.tenant]
+            summary = modeled_latency_summary(ttft, tpot, e2el, out_tokens, tenants, itl=itl)
             # requests run back to back, so throughput is over the sum of their times, not a wall span
             busy = float(np.nansum(e2el))
             summary["duration_s"] = busy
             summary["request_throughput"] = n / busy if busy else None
             summary["output_throughput"] = float(out_tokens.sum()) / busy if busy else None
             extra["latency"] = summary
-        hw = hardware_for(self.s.device)
+        hw = hardware_for(self.s.device, self.s.hardware)
         extra["torch"]["transfers"] = transfer_report(self.mover.traffic, self.s.device, hw, self.s.disk_dir)
         return PointResult(labels=labels, columns=columns, extra=extra)
 
