@@ -89,7 +89,6 @@ class PointReplay:
             from .compute import PagedAttentionModel
 
             self.model = PagedAttentionModel(geometry, settings.device)
-        self.counts = defaultdict(int)
 
     # --- the run -----------------------------------------------------------------------------------------
     def run(self, labels: dict) -> PointResult:
@@ -121,11 +120,10 @@ class PointReplay:
                     cols["prefill"][r] = self.model.computed_tokens - before
                     ttft[r] = self.clock.now() - t0
                     steps = self._decode(table, int(inp[r]), int(out_tokens[r]), int(tokens[-1]))
-                    if steps is not None:
-                        tpot[r] = float(np.mean(steps)) if len(steps) else np.nan
-                        e2el[r] = ttft[r] + (tpot[r] * (out_tokens[r] - 1) if len(steps) else 0.0)
-                        if not self.s.decode_steps:
-                            itl[r] = np.asarray(steps, dtype=np.float32)
+                    tpot[r] = float(np.mean(steps)) if steps else np.nan
+                    e2el[r] = ttft[r] + (tpot[r] * (out_tokens[r] - 1) if steps else 0.0)
+                    if not self.s.decode_steps:
+                        itl[r] = np.asarray(steps, dtype=np.float32)
                     self._record_sums(plan)
                 else:
                     self._fill(plan)
@@ -198,7 +196,7 @@ class PointReplay:
             for src_tier, (src, dst) in by_source.items():
                 self.mover.copy(f"{src_tier}->{tier}", self.pools[src_tier], src, self.pools[tier], dst)
 
-    def _decode(self, table: torch.Tensor, n_in: int, n_out: int, last_token: int) -> list[float] | None:
+    def _decode(self, table: torch.Tensor, n_in: int, n_out: int, last_token: int) -> list[float]:
         """Decode steps 1..n_out-1 (the prefill gave the first token) into scratch blocks; the prompt's partial
         last block is copied first, since it may be a cached block other requests read. Returns the step
         times measured: every step, or `decode_steps` of them spread evenly over the output (the steps between
