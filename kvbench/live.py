@@ -91,6 +91,59 @@ def _previous(path: Path, table: pa.Table) -> dict[int, Outcome]:
     return out
 
 
+class IncrementalResults:
+    """requests.parquet, appended to as outcomes arrive (every FLUSH_EVERY outcomes or FLUSH_SECONDS), so that
+    a crash or Ctrl-C keeps what was measured; `close` records every request not written yet (unsent ones
+    too: nothing is lost). Shared by the single-client path and the distributed driver."""
+
+    def __init__(self, path: Path, table: pa.Table, block_size: int, kept: dict[int, Outcome]):
+        self.table, self.block_size = table, block_size
+        self.writer = ResultWriter(path)
+        if kept:
+            _write(self.writer, table, [kept[i] for i in sorted(kept)], block_size)
+        self.pending: list[Outcome] = []
+        self.written: set[int] = set(kept)
+        self.last_flush = time.monotonic()
+        # Writing (Arrow conversion, compression, disk) happens on one worker thread: done on the event loop it
+        # stalls sends for 5-30 ms per flush, which shows up as schedule lag.
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbench-results")
+        self.writes = []
+
+    def add(self, o: Outcome) -> None:
+        self.pending.append(o)
+        if len(self.pending) >= FLUSH_EVERY or time.monotonic() - self.last_flush > FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            batch = list(self.pending)
+            self.writes.append(self.background.submit(_write, self.writer, self.table, batch, self.block_size))
+            self.written.update(o.row for o in batch)
+            self.pending.clear()
+        self.last_flush = time.monotonic()
+
+    def close(self, outcomes: list[Outcome]) -> None:
+        self.flush()
+        self.background.shutdown(wait=True)  # every submitted write lands before the last ones
+        for w in self.writes:
+            w.result()  # a failed write (disk full…) is an error, never silently missing rows
+        rest = [o for o in outcomes if o.row not in self.written]
+        if rest:
+            _write(self.writer, self.table, rest, self.block_size)
+        self.writer.close()
+
+
+def resumed_clock(kept: dict[int, Outcome]) -> float:
+    """Where a resumed run's clock starts: after the previous run's last event, so that spans stay meaningful."""
+    return max(
+        (max(o.sent_s, o.last_chunk_s if o.last_chunk_s == o.last_chunk_s else 0) for o in kept.values()), default=0.0
+    )
+
+
+def previous_outcomes(run_dir: Path, table: pa.Table, resume: bool) -> dict[int, Outcome]:
+    return _previous(run_dir / "requests.parquet", table) if resume else {}
+
+
 def run_live(
     backend, table: pa.Table, meta, run_dir: Path, summary: dict, warmup: float, progress=None, resume=False
 ) -> None:
@@ -98,41 +151,17 @@ def run_live(
     requests.parquet. Re-raises KeyboardInterrupt after recording, for the caller to finish the outputs.
     `resume`: keep what a previous run in `run_dir` answered and send only the rest."""
     n = request_count(table, backend.pacing)
-    kept = _previous(run_dir / "requests.parquet", table) if resume else {}
+    kept = previous_outcomes(run_dir, table, resume)
     outcomes = [kept.get(i) or Outcome(row=i) for i in range(n)]
     todo = [i for i in range(n) if i not in kept]
-    writer = ResultWriter(run_dir / "requests.parquet")
-    if kept:
-        _write(writer, table, [outcomes[i] for i in sorted(kept)], meta.block_size)
-    pending: list[Outcome] = []
-    written: set[int] = set(kept)
-    last_flush = time.monotonic()
-
-    # Writing (Arrow conversion, compression, disk) happens on one worker thread: done on the event loop it
-    # stalls sends for 5-30 ms per flush, which shows up as schedule lag.
-    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbench-results")
-    writes = []
-
-    def flush() -> None:
-        nonlocal last_flush
-        if pending:
-            batch = list(pending)
-            writes.append(background.submit(_write, writer, table, batch, meta.block_size))
-            written.update(o.row for o in batch)
-            pending.clear()
-        last_flush = time.monotonic()
+    results = IncrementalResults(run_dir / "requests.parquet", table, meta.block_size, kept)
 
     def on_done(o: Outcome) -> None:
-        pending.append(o)
+        results.add(o)
         if progress is not None:
             progress(o)
-        if len(pending) >= FLUSH_EVERY or time.monotonic() - last_flush > FLUSH_SECONDS:
-            flush()
 
-    # a resumed run's clock continues after the previous run's last event, so that spans stay meaningful
-    resumed_at = max(
-        (max(o.sent_s, o.last_chunk_s if o.last_chunk_s == o.last_chunk_s else 0) for o in kept.values()), default=0.0
-    )
+    resumed_at = resumed_clock(kept)
 
     async def main() -> None:
         origin = time.perf_counter() - resumed_at
@@ -146,23 +175,17 @@ def run_live(
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        flush()
-        background.shutdown(wait=True)  # every submitted write lands before the last ones
-        for w in writes:
-            w.result()  # a failed write (disk full…) is an error, never silently missing rows
-        # requests never sent (or still waiting when the run stopped) are recorded too: nothing is lost
-        rest = [o for o in outcomes if o.row not in written]
-        if rest:
-            _write(writer, table, rest, meta.block_size)
-        writer.close()
-        summary["points"] = [_point_summary(backend, table, meta, outcomes, warmup)]
+        results.close(outcomes)
+        summary["points"] = [point_summary(backend, table, meta, outcomes, warmup)]
         summary["interrupted"] = interrupted
         summary["resumed_requests"] = len(kept)
     if interrupted:
         raise KeyboardInterrupt
 
 
-def _point_summary(backend, table: pa.Table, meta, outcomes: list[Outcome], warmup: float) -> dict:
+def point_summary(backend, table: pa.Table, meta, outcomes: list[Outcome], warmup: float, extra=None) -> dict:
+    """The run's one point: hit rates, latency and server counters over every row. `extra`: the backend's
+    `extra()` when it was gathered elsewhere (a distributed run's workers)."""
     cols = per_request(outcomes)
     warm = np.array([o.warmup for o in outcomes], dtype=bool)
     tenants = table.column("tenant").slice(0, len(outcomes)).to_pylist() if "tenant" in table.column_names else []
@@ -176,7 +199,7 @@ def _point_summary(backend, table: pa.Table, meta, outcomes: list[Outcome], warm
     expected = sub.column("input_tokens").to_numpy()
     mismatched = int(sum(p is not None and p != e for p, e in zip(prompt, expected)))
     reported = {"prompt_tokens": int(sum(p or 0 for p in prompt)), "cached_tokens": int(cached.sum())}
-    extra = backend.extra()
+    extra = backend.extra() if extra is None else extra
     server = extra.get("server", {})
     return {
         "name": POINT,

@@ -124,6 +124,15 @@ def open_loop_offsets(arrival_s: np.ndarray, pacing: Pacing) -> np.ndarray:
     return (arrival_s - (arrival_s[0] if arrival_s.size else 0.0)) * pacing.time_scale
 
 
+def schedule_offsets(table: pa.Table, pacing: Pacing) -> np.ndarray:
+    """When each row of `table` is due, seconds after the start: its send time in open loop; in mode
+    `sessions` its (scaled) trace time, before which it never goes even when its predecessors finished."""
+    arrival = table.column("arrival_s").to_numpy().astype(np.float64)
+    if pacing.mode == "sessions":
+        return (arrival - (arrival[0] if arrival.size else 0.0)) * pacing.time_scale
+    return open_loop_offsets(arrival, pacing)
+
+
 def predecessors(table: pa.Table) -> list[list[int]]:
     """For `sessions` mode: the rows each row waits for (previous turn of its session, depends_on)."""
     n = table.num_rows
@@ -156,13 +165,19 @@ async def dispatch(
     send: Callable[[Outcome], Awaitable[None]],
     on_done: Callable[[Outcome], None],
     origin: float,
+    offsets: np.ndarray | None = None,
+    start_at: float | None = None,
 ) -> None:
     """Send the trace's requests as `pacing` says, filling `outcomes` (one per row, `request_count` rows,
     made by the caller so that it keeps them if the run is interrupted). `send` fills an Outcome and must
     not raise, except CancelledError after marking it cancelled; `on_done` sees every request that was sent.
-    Times are seconds since `origin` (a time.perf_counter() value)."""
+    Times are seconds since `origin` (a time.perf_counter() value). `offsets` (one per row, default
+    `schedule_offsets`) and `start_at` (the schedule's zero on that clock, default now) let one shard of a
+    distributed run keep its rows' times in the whole trace's schedule. Cancelled, it cancels the requests in
+    flight and waits for each to record its cancellation."""
     n = len(outcomes)
-    arrival = table.column("arrival_s").to_numpy()[:n].astype(np.float64)
+    if offsets is None:
+        offsets = schedule_offsets(table.slice(0, n), pacing)
     think = (
         table.column("think_time_s").fill_null(0.0).to_numpy()[:n].astype(np.float64)
         if "think_time_s" in table.column_names
@@ -171,13 +186,15 @@ async def dispatch(
     loop = asyncio.get_running_loop()
     gate = asyncio.Semaphore(pacing.max_concurrency) if pacing.max_concurrency else None
     tasks: set[asyncio.Task] = set()
+    timers: dict[int, asyncio.TimerHandle] = {}
     sent = 0
     stop_at = pacing.duration_s
 
     def now() -> float:
         return time.perf_counter() - origin
 
-    t0 = now()  # the schedule starts now (a resumed run's clock goes on from where the previous one stopped)
+    # the schedule starts now (a resumed run's clock goes on from where the previous one stopped)
+    t0 = now() if start_at is None else start_at
 
     async def run(i: int) -> None:
         nonlocal sent
@@ -207,64 +224,68 @@ async def dispatch(
             return
         delay = at - now()
         if delay > 0 and not due:
-            loop.call_later(delay, launch, i)
-            pending_timers[0] += 1
+            timers[i] = loop.call_later(delay, launch, i)
         else:
-            launch(i, timer=False)
+            launch(i)
 
-    def launch(i: int, timer: bool = True) -> None:
-        if timer:
-            pending_timers[0] -= 1
+    def launch(i: int) -> None:
+        timers.pop(i, None)
         task = loop.create_task(run(i))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    pending_timers = [0]
+    try:
+        if pacing.mode == "sessions":
+            preds = predecessors(table.slice(0, n))
+            waiting = [len(p) for p in preds]
+            successors: list[list[int]] = [[] for _ in range(n)]
+            for i, p in enumerate(preds):
+                for j in p:
+                    successors[j].append(i)
+            ready = t0 + offsets
+            remaining = n
+            all_done = asyncio.Event()
 
-    if pacing.mode == "sessions":
-        preds = predecessors(table.slice(0, n))
-        waiting = [len(p) for p in preds]
-        successors: list[list[int]] = [[] for _ in range(n)]
-        for i, p in enumerate(preds):
-            for j in p:
-                successors[j].append(i)
-        ready = t0 + arrival * pacing.time_scale - (arrival[0] * pacing.time_scale if n else 0.0)
-        remaining = n
-        all_done = asyncio.Event()
+            def finished(i: int) -> None:
+                nonlocal remaining
+                remaining -= 1
+                t = now()
+                for s in successors[i]:
+                    waiting[s] -= 1
+                    ready[s] = max(ready[s], t)
+                    if waiting[s] == 0:
+                        start(s, ready[s] + think[s])
+                if remaining == 0:
+                    all_done.set()
 
-        def finished(i: int) -> None:
-            nonlocal remaining
-            remaining -= 1
-            t = now()
-            for s in successors[i]:
-                waiting[s] -= 1
-                ready[s] = max(ready[s], t)
-                if waiting[s] == 0:
-                    start(s, ready[s] + think[s])
-            if remaining == 0:
-                all_done.set()
+            roots = [i for i in range(n) if not preds[i]]
+            if n:
+                sender = loop.create_task(_send_in_order(roots, ready[roots], start, now))
+                try:
+                    await all_done.wait()
+                finally:
+                    sender.cancel()
+        else:
 
-        roots = [i for i in range(n) if not preds[i]]
-        if n:
-            sender = loop.create_task(_send_in_order(roots, ready[roots], start, now))
-            try:
-                await all_done.wait()
-            finally:
-                sender.cancel()
-                for t in list(tasks):
-                    t.cancel()
-    else:
+            def finished(i: int) -> None:
+                pass
 
-        def finished(i: int) -> None:
-            pass
-
-        offsets = t0 + open_loop_offsets(arrival, pacing)
-        await _send_in_order(range(n), offsets, start, now)
-        while tasks or pending_timers[0]:
-            if tasks:
-                await asyncio.wait(set(tasks))
-            else:
-                await asyncio.sleep(0.001)
+            await _send_in_order(range(n), t0 + offsets, start, now)
+            while tasks or timers:
+                if tasks:
+                    await asyncio.wait(set(tasks))
+                else:
+                    await asyncio.sleep(0.001)
+    finally:
+        # Stopped early (cancelled, or an error): no request may start after this returns, and each one in
+        # flight records its cancellation before the caller collects the outcomes.
+        for handle in timers.values():
+            handle.cancel()
+        timers.clear()
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(set(tasks))
 
 
 async def _send_in_order(rows, at, start, now) -> None:

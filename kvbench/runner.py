@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from . import __version__
 from .backend import PointResult, StreamedPoint
+from .distributed import check_executor, run_distributed
 from .errors import KvbenchError
 from .live import is_online, run_live
 from .metrics import MetricSums
@@ -98,11 +99,15 @@ def run_replay(
     report: bool = True,
     stream: bool | None = None,
     resume: bool = False,
+    workers: int = 1,
+    executor: str = "local",
+    ray_address: str = "",
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
     are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
     `stream`: replay in bounded memory, the trace read by row group (None: when the trace is large).
-    `resume` (live backends): continue the interrupted run in `out`, sending only what it did not answer."""
+    `resume` (live backends): continue the interrupted run in `out`, sending only what it did not answer.
+    `workers`, `executor`, `ray_address` (live backends): spread the load over Ray actors (`distributed`)."""
     trace_path = Path(trace_path)
     try:
         backend_cls = load_backend(backend_name)
@@ -110,6 +115,7 @@ def run_replay(
         raise KvbenchError(exc.args[0]) from None
     backend = backend_cls(**backend_options)
     online = is_online(backend)
+    check_executor(workers, executor, online, ray_address)
     if resume and not (online and out):
         raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
     trace = _open_trace(trace_path, False if online else stream, warmup)
@@ -144,7 +150,23 @@ def run_replay(
     _write_summary(run_dir, summary)
     if online:
         try:
-            run_live(backend, trace.table, meta, run_dir, summary, warmup, progress, resume=resume)
+            if executor == "ray":
+                run_distributed(
+                    backend,
+                    backend_name,
+                    backend_options,
+                    trace.table,
+                    meta,
+                    run_dir,
+                    summary,
+                    warmup,
+                    progress,
+                    resume=resume,
+                    workers=workers,
+                    ray_address=ray_address,
+                )
+            else:
+                run_live(backend, trace.table, meta, run_dir, summary, warmup, progress, resume=resume)
             summary["complete"] = True
         except KeyboardInterrupt:
             summary["interrupted"] = True

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from ..distributed import EXECUTORS
 from ..errors import KvbenchError
 from ..plugins import backend_names, load_backend
 from ..stats import DEFAULT_WARMUP
@@ -81,7 +82,31 @@ class ReplayCommand(click.Command):
     help="live backends: continue the interrupted run in --out DIR; requests it answered (ok, error, timeout) "
     "are kept, the rest are sent",
 )
-def replay(trace_path, backend, out, warmup, as_json, report, stream, resume, **backend_options):
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="live backends: load generators sharing the run, each with whole sessions (and what they depend on), all "
+    "starting at one instant; --max-concurrency applies to each. More than 1 needs --executor ray",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default="local",
+    show_default=True,
+    help="local: one client in this process (--workers 1 only); ray: each worker a Ray actor, its results merged "
+    "into this run",
+)
+@click.option(
+    "--ray-address",
+    default="",
+    help="with --executor ray: the cluster, 'auto' (the one `ray start` runs here) or ray://HOST:10001 "
+    "[default: start a local cluster for this run]",
+)
+def replay(
+    trace_path, backend, out, warmup, as_json, report, stream, resume, workers, executor, ray_address, **backend_options
+):
     """Replay TRACE through a backend and write requests.parquet, summary.json and reports.
 
     Example: kvbench replay traces/samples/chat.parquet --policy lru,radix-lru --capacity 1000,3000,10000
@@ -125,7 +150,19 @@ def replay(trace_path, backend, out, warmup, as_json, report, stream, resume, **
             report=report,
             stream=stream,
             resume=resume,
+            workers=workers,
+            executor=executor,
+            ray_address=ray_address,
         )
+    for w in summary.get("workers") or ():
+        if w["status"] == "dead":
+            lost = ", ".join(w["unfinished_sessions"][:10]) + (" …" if len(w["unfinished_sessions"]) > 10 else "")
+            click.secho(
+                f"worker {w['id']} on {w['host']} died: {w['error']}; {w['unfinished_requests']} requests of "
+                f"{len(w['unfinished_sessions'])} sessions unfinished ({lost}); see summary.json workers",
+                fg="red",
+                err=True,
+            )
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
@@ -133,6 +170,11 @@ def replay(trace_path, backend, out, warmup, as_json, report, stream, resume, **
         hr = p["hit_rate"]["token"]
         flag = "  (underfilled: the cache never filled during warm-up)" if p.get("underfilled") else ""
         click.echo(f"{p['name']:>28}: token hit rate {hr['all']:.4f} all, {hr['steady']:.4f} steady{flag}")
+    if summary.get("workers"):
+        workers = summary["workers"]
+        alive = sum(w["status"] == "alive" for w in workers)
+        lag = max((w["schedule_lag"]["p99_ms"] or 0.0) for w in workers)
+        click.echo(f"{'workers':>28}: {alive} of {len(workers)} alive, schedule lag p99 at most {lag:.1f} ms")
     for c in summary["curves"]:
         click.echo(f"{c['policy'] + ' curve':>28}: {len(c['capacity_blocks'])} capacities, see report.html")
     click.echo(f"results in {run_dir}/ (summary.json, requests.parquet{', report.html' if report else ''})")
