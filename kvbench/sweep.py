@@ -4,32 +4,39 @@ point under the sweep folder, with a manifest (sweep.json) that says what each p
 Points are named from their values, so a rerun of the same grid finds the run directories of the points it
 finished (complete summary.json) and skips them. A point that fails is recorded with its error and the
 others still run. Engine args restart a local live engine (kvbench.engines) before the points that use them,
-so points run in stages of equal engine args; an executor runs one stage's points (only `local` for now:
-one after another in this process; process and Ray pools plug into EXECUTORS with the same signature).
+so points run in stages of equal engine args, in order; within a stage an executor (kvbench.executors: this
+process, a process pool, Ray tasks) runs the points, each as a PointTask that writes its own run directory,
+retrying failed tries. Live points of a stage run after its offline ones, one at a time unless --workers
+says otherwise: side by side they would load the same server and disturb each other's latencies.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import ipaddress
 import json
 import os
 import re
+import socket
 import time
 import tomllib
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlparse
 
 from . import __version__
 from .errors import KvbenchError
+from .executors import ExecutorSettings, one_line, open_pool, run_points
 from .plugins import load_backend
 from .stats import DEFAULT_WARMUP
 
 MANIFEST = "sweep.json"
 AXES = ("trace", "backend", "policy", "capacity", "engine_args")
 OPTION_AXES = {"policy": "policies", "capacity": "capacities"}  # backend options whose lists are grid axes
-TOML_KEYS = {*AXES, "engine", "out", "warmup", "executor", "options"}
+EXECUTOR_KEYS = tuple(f.name for f in fields(ExecutorSettings))
+TOML_KEYS = {*AXES, *EXECUTOR_KEYS, "engine", "out", "warmup", "options"}
 
 
 @dataclass(frozen=True)
@@ -164,19 +171,6 @@ def stages(points: list[Point]) -> list[tuple[str | None, list[Point]]]:
     return list(groups.items())
 
 
-RunOne = Callable[[Point], dict]
-Executor = Callable[[list[Point], RunOne], Iterator[tuple[Point, dict]]]
-
-
-def local_executor(points: list[Point], run_one: RunOne) -> Iterator[tuple[Point, dict]]:
-    """One point after another, in this process."""
-    for p in points:
-        yield p, run_one(p)
-
-
-EXECUTORS: dict[str, Executor] = {"local": local_executor}
-
-
 def finished(run_dir: Path, point: Point) -> dict | None:
     """The summary of a run directory that holds this point's complete run, else None."""
     try:
@@ -186,12 +180,6 @@ def finished(run_dir: Path, point: Point) -> dict | None:
     return summary if summary.get("complete") and summary.get("backend") == point.backend else None
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    msg = text[0] if text else ""
-    return msg if isinstance(exc, KvbenchError) else f"{type(exc).__name__}: {msg}"
-
-
 def _outcome(summary: dict, status: str, seconds: float | None) -> dict:
     first = summary["points"][0] if summary.get("points") else {}
     hr = (first.get("hit_rate") or {}).get("token", {})
@@ -199,13 +187,11 @@ def _outcome(summary: dict, status: str, seconds: float | None) -> dict:
 
 
 def run_point(point: Point, grid: Grid, out_dir: Path, url: str | None = None, command: str | None = None) -> dict:
-    """Replay one point into out_dir/<name>, or skip it when that directory holds its complete run."""
+    """Replay one point into out_dir/<name>. Always: run_sweep skips the points an earlier sweep finished,
+    and a directory completed by an uncounted try of this sweep (a process pool that broke) is rewritten."""
     from .runner import run_replay
 
     run_dir = out_dir / point.name
-    done = finished(run_dir, point)
-    if done is not None:
-        return _outcome(done, "skipped", None)
     params = _params(point.backend)
     options = {k: v for k, v in grid.options.items() if k in params}
     options.update({a: getattr(point, a) for a in OPTION_AXES if getattr(point, a) is not None})
@@ -222,10 +208,69 @@ def run_point(point: Point, grid: Grid, out_dir: Path, url: str | None = None, c
             command=f"{command or 'kvbench sweep'} [point {point.name}]",
         )
     except Exception as exc:  # noqa: BLE001 - a failed point is recorded and the sweep goes on
-        return {"status": "failed", "error": _one_line(exc), "seconds": round(time.monotonic() - t0, 3)}
+        return {"status": "failed", "error": one_line(exc), "seconds": round(time.monotonic() - t0, 3)}
     if summary.get("interrupted"):  # run_replay keeps what a Ctrl-C left; the sweep stops with it
         raise KeyboardInterrupt
     return _outcome(summary, "ok" if summary.get("complete") else "failed", round(time.monotonic() - t0, 3))
+
+
+@dataclass(frozen=True)
+class PointTask:
+    """Everything a worker needs to run one stage's points, picklable: the grid, the sweep folder, the live
+    URL, and the folder the sweep was started in, which relative trace and --out paths are relative to (on
+    a cluster, a folder every node mounts at the same path)."""
+
+    grid: Grid
+    out_dir: str
+    url: str | None
+    command: str | None
+    cwd: str
+
+    def __call__(self, point: Point) -> dict:
+        try:
+            here = os.getcwd()
+        except FileNotFoundError:  # a worker whose folder was removed
+            here = None
+        if here != self.cwd:
+            if not os.path.isdir(self.cwd):
+                raise KvbenchError(
+                    f"{socket.gethostname()} has no folder {self.cwd}, where the sweep started: on a cluster, start "
+                    "kvbench sweep in a folder every node mounts at the same path, with --out and the traces on it"
+                )
+            os.chdir(self.cwd)
+        url = self.url if is_live(point.backend) else None
+        return {**run_point(point, self.grid, Path(self.out_dir), url, self.command), "host": socket.gethostname()}
+
+
+def visible(out_dir: Path, point: Point, outcome: dict) -> dict:
+    """A point that ran on another node but whose run directory this machine cannot read has failed: the
+    index and any rerun need it here."""
+    if outcome["status"] != "ok" or finished(out_dir / point.name, point) is not None:
+        return outcome
+    return {
+        **outcome,
+        "status": "failed",
+        "error": f"ran on {outcome.get('host')}, but {out_dir / point.name}/summary.json is not complete here: "
+        "put --out on a filesystem every node shares",
+    }
+
+
+def shared_filesystem_note(out_dir: Path) -> str:
+    return (
+        f"each node reads the traces and writes {out_dir}/<point>/ itself: both must be on a filesystem every "
+        f"node mounts at the same path (relative paths are taken from {os.getcwd()} on every node)"
+    )
+
+
+def is_loopback(url: str | None) -> bool:
+    """A URL only this machine can reach (a local engine's): its live points must run here."""
+    host = urlparse(url).hostname if url else None
+    if host is None:
+        return False
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class EngineStages:
@@ -267,7 +312,7 @@ def write_manifest(out_dir: Path, manifest: dict) -> None:
 def run_sweep(
     grid: Grid,
     out_dir: Path,
-    executor: str = "local",
+    executor: str | ExecutorSettings = "local",
     command: str | None = None,
     on_point: Callable[[Point, dict], None] | None = None,
     say: Callable[[str], None] = lambda msg: None,
@@ -275,8 +320,8 @@ def run_sweep(
 ) -> dict:
     """Run every point not finished before; returns the manifest (also written to out_dir/sweep.json after
     every point, so an interrupted sweep says how far it got)."""
-    if executor not in EXECUTORS:
-        raise KvbenchError(f"unknown executor {executor!r}; available: {', '.join(EXECUTORS)}")
+    settings = executor if isinstance(executor, ExecutorSettings) else ExecutorSettings(executor)
+    settings.check()
     points = expand(grid)
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = {p.name: {"name": p.name, **p.values(), "dir": p.name, "status": "pending"} for p in points}
@@ -284,36 +329,56 @@ def run_sweep(
         "kvbench_version": __version__,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": command,
-        "executor": executor,
+        "executor": settings.executor,
+        "workers": settings.workers,
+        "retries": settings.retries,
         "grid": {k: v for k, v in asdict(grid).items() if k != "options"},
         "options": grid.options,
         "points": list(entries.values()),
         "complete": False,
     }
     write_manifest(out_dir, manifest)
+
+    def record(p: Point, outcome: dict) -> None:
+        entries[p.name].update(outcome)
+        write_manifest(out_dir, manifest)
+        if on_point:
+            on_point(p, entries[p.name])
+
+    def retrying(p: Point, attempt: int, error: str) -> None:
+        say(f"{p.name}: attempt {attempt} of {settings.retries + 1} failed ({error}); trying again")
+
     engine = EngineStages(grid.engine, say, status)
     try:
-        for engine_args, stage in stages(points):
-            # a resumed sweep restarts no engine for a stage whose live points all finished before
-            todo = [p for p in stage if is_live(p.backend) and finished(out_dir / p.name, p) is None]
-            try:
-                url = engine.url(engine_args) if todo else None
-            except Exception as exc:  # noqa: BLE001 - the engine failed: this stage's points cannot run
-                for p in stage:
-                    entries[p.name].update(status="failed", error=f"engine: {_one_line(exc)}")
-                    if on_point:
-                        on_point(p, entries[p.name])
-                write_manifest(out_dir, manifest)
-                continue
-
-            def run_one(p: Point, url=url) -> dict:
-                return run_point(p, grid, out_dir, url if is_live(p.backend) else None, command)
-
-            for p, outcome in EXECUTORS[executor](stage, run_one):
-                entries[p.name].update(outcome)
-                write_manifest(out_dir, manifest)
-                if on_point:
-                    on_point(p, entries[p.name])
+        with open_pool(settings, say) as pool:
+            if settings.ray_address:
+                say(shared_filesystem_note(out_dir))
+            for engine_args, stage in stages(points):
+                todo = []
+                for p in stage:  # finished by an earlier sweep: skipped here, never sent to a worker
+                    done = finished(out_dir / p.name, p)
+                    if done is None:
+                        todo.append(p)
+                    else:
+                        record(p, {**_outcome(done, "skipped", None), "attempts": 0})
+                offline = [p for p in todo if not is_live(p.backend)]
+                live = [p for p in todo if is_live(p.backend)]
+                task = PointTask(grid, str(out_dir), None, command, os.getcwd())
+                for p, outcome in run_points(pool, task, offline, settings.retries, on_retry=retrying):
+                    record(p, visible(out_dir, p, outcome))
+                if not live:
+                    continue
+                try:
+                    url = engine.url(engine_args)
+                except Exception as exc:  # noqa: BLE001 - the engine failed: this stage's live points cannot run
+                    for p in live:
+                        record(p, {"status": "failed", "error": f"engine: {one_line(exc)}", "attempts": 0})
+                    continue
+                task = PointTask(grid, str(out_dir), url, command, os.getcwd())
+                here = is_loopback(url or grid.options.get("url"))
+                limit = settings.workers or 1  # side by side only when asked: they would share the server
+                for p, outcome in run_points(pool, task, live, settings.retries, limit, here, on_retry=retrying):
+                    record(p, visible(out_dir, p, outcome))
         manifest["complete"] = True
     finally:
         try:

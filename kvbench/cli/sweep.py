@@ -17,11 +17,12 @@ from click.core import ParameterSource
 
 from ..compare import analyse, load_run
 from ..errors import KvbenchError
+from ..executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
 from ..plugins import backend_names, load_backend
 from ..report.compare import page_sections, write_page
 from ..report.page import Links, Section, Table, pct
 from ..stats import DEFAULT_WARMUP
-from ..sweep import EXECUTORS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
+from ..sweep import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
 from .compare import LazyBar
 from .render import console
 from .replay import DEFAULT_BACKEND
@@ -119,6 +120,20 @@ def _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, b
     return grid, toml
 
 
+def _executor_settings(ctx: click.Context, toml: dict, flags: dict) -> ExecutorSettings:
+    """Each of --executor, --workers, --retries, --ray-*: the flag when given, else the grid file's key."""
+    values, params = {}, {p.name: p for p in ctx.command.params}
+    for key in EXECUTOR_KEYS:
+        given = ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE
+        values[key] = flags[key] if given or key not in toml else params[key].type_cast_value(ctx, toml[key])
+    settings = ExecutorSettings(**values)
+    try:
+        settings.check()
+    except KvbenchError as exc:
+        raise click.UsageError(str(exc)) from None
+    return settings
+
+
 def _shown(text: str, out_dir: Path) -> str:
     """Error text as the report shows it: this machine's folders replaced by relative or home-relative ones."""
     for folder, short in ((out_dir.resolve(), "."), (Path.cwd(), "."), (Path.home(), "~")):
@@ -186,6 +201,7 @@ Grid file (TOML; paths relative to the file):
   policy = ["lru", "belady"]
   capacity = [1000, "5M tok"]
   out = "reports/sweep-chat"
+  executor = "process"   # and workers, retries, ray-address, …
   [options]              # any backend option, by name
   bound = false
 Flags override the file's keys."""
@@ -220,16 +236,50 @@ Flags override the file's keys."""
     type=click.Choice(list(EXECUTORS)),
     default="local",
     show_default=True,
-    help="how points run: local = one after another in this process",
+    help=f"where points run: {describe()}. Every executor writes the same run directories",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="points run at once (process: pool size; ray: CPUs of the new local cluster, or at most this many "
+    "tasks at once on an existing one) [default: this machine's CPU count; live points: 1, since side by "
+    "side they would load one server and disturb each other's latencies]",
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(min=0),
+    default=DEFAULT_RETRIES,
+    show_default=True,
+    help="extra tries for a point that fails (raises, reports a failure, or loses its worker process); after "
+    "the last it is recorded as failed in sweep.json with its attempts and last error, and the others go on",
+)
+@click.option(
+    "--ray-address",
+    default="",
+    help="Ray cluster for --executor ray: empty = start a local one of --workers CPUs for this sweep; 'auto' "
+    "= the cluster this machine is a node of (ray start); 'host:6379' or 'ray://host:10001' = a remote one "
+    "(the traces and --out must then be on a filesystem every node mounts at the same path)",
+)
+@click.option(
+    "--ray-cpus-per-point",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="CPUs Ray reserves for each point's task (--executor ray); 0.5 runs two points per CPU",
 )
 @click.option("--json", "as_json", is_flag=True, help="print sweep.json (the manifest) to stdout")
-def sweep(grid_file, traces, backends, engine_args, engine, out, warmup, executor, as_json, **backend_options):
+def sweep(
+    grid_file, traces, backends, engine_args, engine, out, warmup, executor, workers, retries, ray_address,
+    ray_cpus_per_point, as_json, **backend_options,
+):  # fmt: skip
     """Replay a grid: every trace x backend x policy x capacity x engine args, each point into its own run
     directory OUT/<trace>_<backend>_<policy>_<capacity>[_<engine args>]/, with OUT/sweep.json (the grid and
     every point's status and error) and OUT/index.html + index.md (all points compared, linked to their
     reports). --policy and --capacity (below) take comma-separated lists and become grid axes; every other
     backend option is passed to every point. A rerun skips the points whose run directory is complete, so a
-    sweep can be resumed; a failing point is reported and the others still run (exit status 1).
+    sweep can be resumed; a failing point is retried (--retries), then reported, and the others still run
+    (exit status 1). Points run in stages of equal --engine-args, in order; within a stage --executor runs
+    them in this process, in a process pool, or as Ray tasks (one task per point).
 
     Example: kvbench sweep --trace traces/samples/chat.parquet --policy lru,belady --capacity 1000,10000
     --no-bound --out reports/sweep-chat
@@ -238,11 +288,7 @@ def sweep(grid_file, traces, backends, engine_args, engine, out, warmup, executo
     grid, toml = _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options)
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
     out_dir = Path(out or toml.get("out") or Path("reports") / f"sweep-{stamp}")
-    executor = (
-        executor
-        if ctx.get_parameter_source("executor") == ParameterSource.COMMANDLINE
-        else toml.get("executor", executor)
-    )
+    executor = _executor_settings(ctx, toml, locals())
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
@@ -256,11 +302,14 @@ def sweep(grid_file, traces, backends, engine_args, engine, out, warmup, executo
             if entry["status"] == "skipped":
                 console.print(f"{point.name}: skipped, finished by an earlier sweep (complete summary.json)")
             elif entry["status"] == "failed":
-                console.print(f"[red]{point.name}: failed: {entry['error']}[/red]")
+                tries = f" after {entry['attempts']} attempts" if entry.get("attempts", 1) > 1 else ""
+                console.print(f"[red]{point.name}: failed{tries}: {entry['error']}[/red]")
             else:
                 hr = entry.get("hit_rate")
+                tries = f", attempt {entry['attempts']}" if entry.get("attempts", 1) > 1 else ""
                 console.print(
-                    f"{point.name}: token hit rate {'–' if hr is None else f'{hr:.4f}'} ({entry['seconds']:.1f} s)"
+                    f"{point.name}: token hit rate {'–' if hr is None else f'{hr:.4f}'} "
+                    f"({entry['seconds']:.1f} s{tries})"
                 )
 
         try:

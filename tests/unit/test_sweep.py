@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from kvbench import engines, runner
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
+from kvbench.executors import ExecutorSettings, open_pool, run_points
 from kvbench.fakeserver import FakeServer
-from kvbench.sweep import Grid, Point, expand, local_executor, name_points
+from kvbench.sweep import Grid, Point, expand, name_points
 
 from ..conftest import REPO
 from .live.conftest import RunningServer
@@ -169,7 +170,9 @@ def test_point_names_are_stable_safe_and_unique():
     (p,) = name_points([Point("t.parquet", "openai", engine_args="--num-gpu-blocks-override 320")])
     assert p.name == "t_openai_num-gpu-blocks-override-320"
     assert [q.name for q in expand(Grid(traces=["t.parquet"], capacities=["10"]))] == ["t_sim_lru_10"]  # default
-    assert [q for q, _ in local_executor([p, p], lambda q: {})] == [p, p]
+    (q,) = name_points([Point("u.parquet", "sim")])
+    with open_pool(ExecutorSettings("local")) as pool:  # in order, in this process
+        assert [r for r, _ in run_points(pool, lambda r: {"status": "ok"}, [p, q])] == [p, q]
     with pytest.raises(KvbenchError, match="--policy applies to none"):
         expand(Grid(traces=["t.parquet"], backends=["openai"], policies=["lru"], options={"url": "http://x"}))
 
