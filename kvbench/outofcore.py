@@ -28,6 +28,34 @@ _ENTRY = np.dtype([("h", "<u8"), ("r", "<u4"), ("p", "<u4")])
 _MAX_ROWS = np.iinfo(np.uint32).max
 
 
+class GrowingArray:
+    """A 1-d array appended to chunk by chunk, kept in one buffer that doubles when full.
+
+    Why not a list of per-chunk arrays: a trace's worth of small long-lived arrays fragments the C heap
+    (once a large block has been freed, glibc serves allocations up to 32 MB from the heap, and pages
+    between long-lived arrays never return to the system): measured 36 bytes a request of extra RSS while
+    validating a 20M-request trace. A few large buffers are mapped and unmapped whole."""
+
+    def __init__(self, dtype, capacity: int = 1 << 16):
+        self._buf = np.empty(capacity, dtype=dtype)
+        self.size = 0
+
+    def extend(self, values) -> None:
+        values = np.asarray(values, dtype=self._buf.dtype)
+        end = self.size + values.size
+        if end > self._buf.size:
+            grown = np.empty(max(end, 2 * self._buf.size), dtype=self._buf.dtype)
+            grown[: self.size] = self._buf[: self.size]
+            self._buf = grown
+        self._buf[self.size : end] = values
+        self.size = end
+
+    @property
+    def values(self) -> np.ndarray:
+        """The elements so far (a view: valid until the next `extend`)."""
+        return self._buf[: self.size]
+
+
 def _first_occurrence(values: np.ndarray) -> np.ndarray:
     """Boolean mask of the first occurrence of each value, in array order.
 
@@ -76,7 +104,7 @@ class InfiniteCacheStream:
         # Removes the directory even if the object is dropped without close() (and at interpreter exit).
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         self._files: list = [None] * _FANOUT  # opened on first write: small streams touch few partitions
-        self._n_blocks: list[np.ndarray] = []
+        self._n_blocks = GrowingArray(np.int32)
         self._rows = 0
         self._done = False
 
@@ -115,7 +143,7 @@ class InfiniteCacheStream:
         if self._rows + n_blocks.size > _MAX_ROWS:
             raise ValueError(f"more than {_MAX_ROWS} rows: rows are stored as uint32")
         base, self._rows = self._rows, self._rows + n_blocks.size
-        self._n_blocks.append(n_blocks.astype(np.int32))  # (list offsets are int32: no row has more)
+        self._n_blocks.extend(n_blocks)  # (list offsets are int32: no row has more)
         flat = np.asarray(arr.flatten(), dtype=np.uint64)
         if not flat.size:
             return
@@ -150,8 +178,7 @@ class InfiniteCacheStream:
             raise RuntimeError("finish() called twice")
         self._done = True
         self._close_files(self._files)
-        self.n_blocks = np.concatenate(self._n_blocks) if self._n_blocks else np.zeros(0, dtype=np.int32)
-        self._n_blocks = []
+        self.n_blocks, self._n_blocks = self._n_blocks.values, None
         hits = self.n_blocks.astype(dtype)  # a row with no not-seen block hits on all of them
         unique = 0
         # Depth-first over (partition key, may split); a partition is deleted as soon as it is consumed,

@@ -22,7 +22,7 @@ from .metrics import NO_LABEL, HitSums
 from .schema import TRACE_SCHEMA
 from .stats import DEFAULT_WARMUP
 from .traceio import ROW_GROUP_SIZE, TraceMeta, _open, iter_batches, read_meta
-from .validate import References, ValidationReport, block_lengths, check_across_rows, check_rows
+from .validate import ChunkedValidation, ValidationReport, block_lengths
 
 # Above this many block references a replay streams the trace (about 0.5 GB of block ids in memory).
 STREAM_BLOCK_REFS = 60_000_000
@@ -101,8 +101,8 @@ REPLAY_COLUMNS = (
 @dataclass
 class ScannedTrace:
     """A validated trace with nothing per request in memory: the counts and names that size a streamed
-    replay and fill its summary, and `chunks()` to read the trace again. `scan_trace(keep_requests=True)`
-    (trace info) also keeps the per-request columns and block statistics."""
+    replay and fill its summary, and `chunks()` to read the trace again. `scan_trace(keep_hits=True)`
+    (trace info) also keeps the infinite cache's hit blocks per request."""
 
     path: Path
     meta: TraceMeta
@@ -116,9 +116,7 @@ class ScannedTrace:
     unique_blocks: int
     fingerprint: str
     chunk_rows: int = ROW_GROUP_SIZE
-    requests: pa.Table | None = None  # REPLAY_COLUMNS (but an empty mm_items), cast (keep_requests only)
-    n_blocks: np.ndarray | None = None  # int64[n] (keep_requests only)
-    infinite_hits: np.ndarray | None = None  # int64[n]: hit blocks with an unbounded cache (keep_requests only)
+    infinite_hits: np.ndarray | None = None  # int32[n]: hit blocks with an unbounded cache (keep_hits only)
 
     def chunks(self, columns=REPLAY_COLUMNS, blocks: bool = True) -> Iterator[pa.RecordBatch]:
         """block_hashes (unless `blocks` is False) and the other `columns` the trace has, cast to the schema's
@@ -133,10 +131,16 @@ class ScannedTrace:
             yield batch
 
 
+def request_ids_at(path, rows: np.ndarray) -> list:
+    """request_id of a trace file at `rows` (sorted), read chunk by chunk: the text behind hashed ids."""
+    return _rows_of(path, "request_id", rows)
+
+
 def _rows_of(path, column: str, rows: np.ndarray) -> list:
     """Values of `column` at `rows` (sorted), read chunk by chunk."""
     out, start = [], 0
-    for batch in iter_batches(path, columns=[column]):
+    # (a plain ParquetFile: the file may still be a .partial without trace metadata checks passing)
+    for batch in _open(path).iter_batches(columns=[column], batch_size=ROW_GROUP_SIZE):
         stop = start + batch.num_rows
         local = rows[(rows >= start) & (rows < stop)] - start
         out.extend(batch.column(0).take(pa.array(local)).to_pylist())
@@ -163,57 +167,40 @@ def scan_trace(
     chunk_rows: int = ROW_GROUP_SIZE,
     *,
     warmup: float = DEFAULT_WARMUP,
-    keep_requests: bool = False,
+    keep_hits: bool = False,
 ) -> ScannedTrace:
     """Validate and summarise a trace in one pass, chunk by chunk (raises ValidationFailed). Memory: one
-    chunk, the cross-row references (ids and dependencies, 8-24 bytes a request) while validating, and 12
-    bytes a request while the infinite-cache bound (at `warmup`) is resolved; `keep_requests` keeps the
-    REPLAY_COLUMNS and block statistics per request, for trace info."""
-    from .outofcore import InfiniteCacheStream
+    chunk, the hashed cross-row references while validating (`validate.ChunkedValidation`, 8-24 bytes a
+    request), and 12 bytes a request while the infinite-cache bound (at `warmup`) is resolved; `keep_hits`
+    keeps its hit blocks per request (4 bytes a request), for trace info."""
+    from .outofcore import GrowingArray, InfiniteCacheStream
 
     path = Path(path)
-    meta, rows = read_meta(path), _open(path).metadata.num_rows
-    report = ValidationReport(source=str(path), rows=rows)
-    if rows == 0:
-        report.add_file("request_id", "trace has no requests")
-        raise ValidationFailed(report)
-    fingerprint, names = Fingerprint(), _Names()
-    refs, tokens, kept, last_arrival = [], [], [], None
+    meta = read_meta(path)
+    validation = ChunkedValidation(meta.block_size, str(path))
+    fingerprint, names, tokens = Fingerprint(), _Names(), GrowingArray(np.int32)
     chunk_refs = longest = total_refs = 0
     with InfiniteCacheStream(tmpdir=tmpdir) as stream:
-        start = 0
         for batch in iter_batches(path, batch_size=chunk_rows):
-            typed = check_rows(pa.Table.from_batches([batch]), meta.block_size, report, first_row=start)
-            if typed is not None:
-                arrival = typed.column("arrival_s")
-                if last_arrival is not None and len(arrival) and arrival[0].as_py() < last_arrival:
-                    report.add("arrival_s", "arrivals must be non-decreasing (sort the trace by arrival)", [0])
-                last_arrival = arrival[-1].as_py() if len(arrival) else last_arrival
-                hashes = typed.column("block_hashes")
-                lengths = np.maximum(block_lengths(hashes), 0)
-                chunk_refs, total_refs = max(chunk_refs, int(lengths.sum())), total_refs + int(lengths.sum())
-                longest = max(longest, int(lengths.max(initial=0)))
-                fingerprint.update_table(typed)
-                refs.append(References.of(typed, start))
-                if report.ok:  # (an invalid trace is reported, never replayed: stop collecting for it)
-                    stream.add(hashes.fill_null(pa.scalar([], _BLOCKS_TYPE)).combine_chunks())
-                    tokens.append(typed.column("input_tokens").to_numpy().astype(np.int32))
-                    names.add(typed)
-                    if keep_requests:
-                        kept.append(typed.select(list(REPLAY_COLUMNS)).combine_chunks())
-            start += batch.num_rows
-        if len(refs) == -(-rows // chunk_rows):  # every chunk could be read as the schema's types
-            every = References.concat(refs)
-            refs.clear()  # (not both the parts and their concatenation while checking)
-            check_across_rows(every, report, lambda r: _rows_of(path, "request_id", r))
-            del every
-        refs.clear()
+            typed = validation.add(pa.Table.from_batches([batch]))
+            if typed is None:
+                continue
+            hashes = typed.column("block_hashes")
+            lengths = np.maximum(block_lengths(hashes), 0)
+            chunk_refs, total_refs = max(chunk_refs, int(lengths.sum())), total_refs + int(lengths.sum())
+            longest = max(longest, int(lengths.max(initial=0)))
+            fingerprint.update_table(typed)
+            if validation.report.ok:  # (an invalid trace is reported, never replayed: stop collecting for it)
+                stream.add(hashes.fill_null(pa.scalar([], _BLOCKS_TYPE)).combine_chunks())
+                tokens.extend(typed.column("input_tokens").to_numpy())
+                names.add(typed)
+        report = validation.finish(lambda r: request_ids_at(path, r))
         if not report.ok:
             raise ValidationFailed(report)
         hits, unique = stream.finish(dtype=np.int32)
-    n_blocks = stream.n_blocks
-    infinite = _infinite_cache(hits, n_blocks, tokens, meta.block_size, int(rows * warmup), warmup)
-    scanned = ScannedTrace(
+    rows = report.rows
+    infinite = _infinite_cache(hits, stream.n_blocks, tokens.values, meta.block_size, int(rows * warmup), warmup)
+    return ScannedTrace(
         path,
         meta,
         rows,
@@ -226,22 +213,25 @@ def scan_trace(
         unique,
         fingerprint.hexdigest(),
         chunk_rows,
+        infinite_hits=hits if keep_hits else None,
     )
-    if keep_requests:
-        requests = pa.concat_tables(kept)  # chunked: combining would copy every column at once
-        if "mm_items" not in scanned.filled:  # 8 bytes a row of nothing
-            requests = requests.drop_columns(["mm_items"])
-        scanned.requests = requests
-        scanned.n_blocks, scanned.infinite_hits = n_blocks.astype(np.int64), hits.astype(np.int64)
-    return scanned
 
 
-def _infinite_cache(hits, n_blocks, tokens: list[np.ndarray], block_size: int, steady_from: int, warmup) -> dict:
-    """The infinite cache's hit rates, summed one chunk of `tokens` at a time (int64 temporaries stay small)."""
-    sums, start = HitSums(steady_from, warmup), 0
-    for inp in tokens:
-        stop = start + inp.size
-        inp, hit = inp.astype(np.int64), hits[start:stop].astype(np.int64)
-        sums.add(np.minimum(hit * block_size, inp), inp, hit, n_blocks[start:stop].astype(np.int64))
-        start = stop
+def validate_file(path: str | Path, chunk_rows: int = ROW_GROUP_SIZE) -> ValidationReport:
+    """Every rule of the schema on a trace file, read chunk by chunk (`validate.ChunkedValidation`): the
+    report `validate_table` gives on the whole table, in memory that does not hold the trace."""
+    path = Path(path)
+    validation = ChunkedValidation(read_meta(path).block_size, str(path))
+    for batch in iter_batches(path, batch_size=chunk_rows):
+        validation.add(pa.Table.from_batches([batch]))
+    return validation.finish(lambda r: request_ids_at(path, r))
+
+
+def _infinite_cache(hits, n_blocks, tokens: np.ndarray, block_size: int, steady_from: int, warmup) -> dict:
+    """The infinite cache's hit rates, summed a row group at a time (int64 temporaries stay small)."""
+    sums = HitSums(steady_from, warmup)
+    for start in range(0, tokens.size, ROW_GROUP_SIZE):
+        part = slice(start, start + ROW_GROUP_SIZE)
+        inp, hit = tokens[part].astype(np.int64), hits[part].astype(np.int64)
+        sums.add(np.minimum(hit * block_size, inp), inp, hit, n_blocks[part].astype(np.int64))
     return sums.rates()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,9 +10,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import ValidationFailed
+from .references import GrowingReferences, References, check_across_rows
 from .schema import REQUIRED_COLUMNS, TRACE_SCHEMA
 
 ROWS_SHOWN = 5  # rows listed per rule; the rest are counted
+ARRIVAL_ORDER_RULE = "arrivals must be non-decreasing (sort the trace by arrival)"
 
 
 @dataclass
@@ -117,7 +118,7 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
     if n > 1:
         report.add(
             "arrival_s",
-            "arrivals must be non-decreasing (sort the trace by arrival)",
+            ARRIVAL_ORDER_RULE,
             np.concatenate([[False], arrival[1:] < arrival[:-1]]),
         )
     inp = _np(t.column("input_tokens"), 1).astype(np.int64)
@@ -166,116 +167,6 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
             )
 
 
-def _id_hashes(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """64-bit hashes of request ids (null as ""): 8 bytes a row instead of the id's text."""
-    import polars as pl  # loaded on use: the CLI starts faster without it
-
-    return pl.Series(values.fill_null("")).cast(pl.Utf8).hash(seed=7).to_numpy()
-
-
-@dataclass
-class References:
-    """What the rules across rows look at, with ids as 64-bit hashes (a 10M-row trace keeps 80 MB, not its
-    ids' text): every request's id, and the rows that name other requests."""
-
-    ids: np.ndarray | pa.Array  # request_id of every row: uint64 hashes, or the text (`hashed=False`)
-    parent_rows: np.ndarray
-    parents: np.ndarray | pa.Array  # parent_id of those rows, the same way
-    dep_rows: np.ndarray  # one entry per depends_on element
-    deps: np.ndarray | pa.Array
-
-    @classmethod
-    def of(cls, t: pa.Table, first_row: int = 0, hashed: bool = True) -> References:
-        """`hashed=False` keeps the ids' text: exact, and no hashing (nor polars import) for a trace that is
-        in memory anyway."""
-        parent = t.column("parent_id").combine_chunks()
-        has_parent = np.flatnonzero(_np(parent.is_valid(), False))
-        deps = t.column("depends_on").combine_chunks()
-
-        def ids(values):
-            return _id_hashes(values) if hashed else pa.array(values.fill_null("")).cast(pa.string())
-
-        return cls(
-            ids=ids(t.column("request_id").combine_chunks()),
-            parent_rows=has_parent + first_row,
-            parents=ids(parent.take(pa.array(has_parent))),
-            dep_rows=np.asarray(pc.list_parent_indices(deps), dtype=np.int64) + first_row,
-            deps=ids(pc.list_flatten(deps)),
-        )
-
-    @classmethod
-    def concat(cls, parts: list[References]) -> References:
-        def cat(name, dtype):
-            return np.concatenate([getattr(p, name) for p in parts] or [np.zeros(0, dtype)])
-
-        names = ("ids", "parent_rows", "parents", "dep_rows", "deps")
-        return cls(*(cat(n, np.uint64 if n in ("ids", "parents", "deps") else np.int64) for n in names))
-
-
-def _repeated(values: pa.Array) -> np.ndarray:
-    """True where an earlier element has the same value (index_in finds each value's first position)."""
-    return _np(pc.index_in(values, value_set=values), -1) != np.arange(len(values))
-
-
-def check_across_rows(refs: References, report: ValidationReport, id_text=None) -> None:
-    """Rules that relate rows: unique request ids, parent_id and depends_on naming requests of the trace, no
-    dependency cycles. `id_text(rows) -> list[str]` gives the ids of some rows, to tell a real duplicate
-    from two ids whose hashes collide (odds ~1e-6 on 10M rows); without it hashes are trusted."""
-    report.first_row = 0
-    ids = pa.array(refs.ids)
-    repeated = _repeated(ids)
-    if repeated.any() and id_text is not None:
-        # rows whose hash occurs more than once (the first occurrences included), checked on their text
-        first = _np(pc.index_in(ids, value_set=ids), 0)
-        shared = np.zeros(len(ids), bool)
-        shared[first[repeated]] = True
-        suspects = np.flatnonzero(shared | repeated)
-        repeated[:] = False
-        repeated[suspects[_repeated(pa.array(id_text(suspects)))]] = True
-    report.add("request_id", "duplicate request_id (an earlier row has the same id)", repeated)
-    if len(refs.parents):
-        found = pc.index_in(pa.array(refs.parents), value_set=ids)
-        dangling = refs.parent_rows[_np(found.is_null(), False)]
-        report.add("parent_id", "refers to a request_id that is not in the trace", dangling)
-    if not len(refs.deps):
-        return
-    targets = pc.index_in(pa.array(refs.deps), value_set=ids)
-    missing = _np(targets.is_null(), False)
-    report.add("depends_on", "refers to a request_id that is not in the trace", np.unique(refs.dep_rows[missing]))
-    rows, targets = refs.dep_rows[~missing], _np(targets, 0)[~missing].astype(np.int64)
-    if np.any(targets >= rows):  # only an edge to the same or a later row can close a cycle
-        graph: dict[int, list[int]] = defaultdict(list)
-        for row, target in zip(rows.tolist(), targets.tolist()):
-            graph[row].append(target)
-        report.add("depends_on", "dependency cycle (requests that wait for each other)", _rows_on_cycles(graph))
-
-
-def _rows_on_cycles(graph: dict[int, list[int]]) -> list[int]:
-    """Rows that lie on a dependency cycle (iterative DFS: a back edge to a node on the path closes one)."""
-    state: dict[int, int] = {}  # 1 = on stack, 2 = done
-    on_cycle: set[int] = set()
-    for root in list(graph):
-        if root in state:
-            continue
-        stack = [(root, iter(graph.get(root, ())))]
-        path = [root]
-        state[root] = 1
-        while stack:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                state[node] = 2
-                stack.pop()
-                path.pop()
-            elif state.get(nxt) == 1:
-                on_cycle.update(path[path.index(nxt) :])
-            elif nxt not in state:
-                state[nxt] = 1
-                path.append(nxt)
-                stack.append((nxt, iter(graph.get(nxt, ()))))
-    return sorted(on_cycle)
-
-
 def block_lengths(hashes: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """Blocks per request, -1 where block_hashes is null."""
     return _np(pc.list_value_length(hashes), -1).astype(np.int64)
@@ -294,6 +185,50 @@ def check_rows(table: pa.Table, block_size: int, report: ValidationReport, first
             typed = typed.append_column(f.name, pa.nulls(typed.num_rows, f.type))
     _check_numbers(typed, block_size, report)
     return typed
+
+
+class ChunkedValidation:
+    """Validation of a trace given chunk by chunk in row order (a file read by row group, a generator's or
+    importer's output as it is written), with the same violations as `validate_table` on the whole: the
+    rules of one row per chunk, arrival order across chunk boundaries, and the rules across rows at `finish`.
+    Memory: one chunk, plus the hashed references (8 bytes a request, 16 more per parent_id and per
+    depends_on element)."""
+
+    def __init__(self, block_size: int, source: str):
+        self.block_size = block_size
+        self.report = ValidationReport(source=source, rows=0)
+        self._refs = GrowingReferences()
+        self._last_arrival = np.nan
+        self._all_typed = True  # the rules across rows need every chunk cast to the schema
+
+    @property
+    def rows(self) -> int:
+        return self.report.rows
+
+    def add(self, table: pa.Table) -> pa.Table | None:
+        """Check the next rows; returns them cast to the schema (absent columns as nulls), None if a column
+        cannot be cast."""
+        typed = check_rows(table, self.block_size, self.report, first_row=self.rows)
+        if typed is None:
+            self._all_typed = False
+        elif typed.num_rows:
+            arrival = _np(typed.column("arrival_s"), np.nan)
+            if arrival[0] < self._last_arrival:  # (NaN, for none or a null, compares False)
+                self.report.add("arrival_s", ARRIVAL_ORDER_RULE, [0])
+            self._last_arrival = arrival[-1]
+            self._refs.add(References.of(typed, self.rows))
+        self.report.rows += table.num_rows
+        return typed
+
+    def finish(self, id_text=None) -> ValidationReport:
+        """The report, with the rules across rows checked (`id_text(rows) -> list[str]`: see
+        `references.check_across_rows`)."""
+        if self.rows == 0:
+            self.report.add_file("request_id", "trace has no requests")
+        elif self._all_typed:
+            check_across_rows(self._refs.result(), self.report, id_text)
+        self._refs = None
+        return self.report
 
 
 def validate_table(table: pa.Table, block_size: int, source: str = "<table>") -> ValidationReport:

@@ -13,8 +13,9 @@ from .. import generators, importers
 from ..errors import KvbenchError
 from ..export import EXPORTERS
 from ..stats import DEFAULT_WARMUP, trace_info_file
-from ..traceio import read_meta, read_trace, write_trace
-from ..validate import check, read_valid_trace, validate_table
+from ..traceio import read_meta, write_trace
+from ..tracescan import validate_file
+from ..validate import check, read_valid_trace
 from .render import console, info_markdown, print_info
 
 
@@ -41,10 +42,9 @@ def _gen_command(gen: generators.Generator) -> click.Command:
     def run(n, seed, block_size, out, **params):
         out = Path(out or f"{gen.name}-n{n}-s{seed}.parquet")
         with console.status(f"generating {n:,} {gen.name} requests"):
-            table, meta = gen.run(n, seed=seed, block_size=block_size, **params)
-            check(table, block_size, f"generated {gen.name}")  # a generator bug must never yield a file
-        write_trace(table, out, meta)
-        click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {block_size})")
+            # validated as it is written: a generator bug must never yield a file
+            rows = gen.write(out, n, seed=seed, block_size=block_size, **params)
+        click.echo(f"wrote {out} ({rows:,} requests, block size {block_size})")
 
     options = [
         click.Option(
@@ -74,7 +74,15 @@ def _gen_command(gen: generators.Generator) -> click.Command:
             help="output Parquet file [default: KIND-nN-sSEED.parquet]",
         ),
     ] + [_param_option(f) for f in dataclasses.fields(gen.params_type)]
-    return click.Command(gen.name, callback=run, params=options, help=gen.summary, short_help=gen.summary)
+    if gen.stream is not None:
+        memory = "Written window by window in bounded memory, for any -n (the same trace as in one piece)."
+    else:
+        memory = (
+            f"Built in memory (~{gen.bytes_per_request / 1000:.0f} KB a request at peak); "
+            "a count that would not fit in the free memory is refused."
+        )
+    help = f"{gen.summary}\n\n{memory} The trace is validated as it is written."
+    return click.Command(gen.name, callback=run, params=options, help=help, short_help=gen.summary)
 
 
 class _GenGroup(click.Group):
@@ -98,10 +106,14 @@ def _import_command(imp: importers.Importer) -> click.Command:
     def run(src, out, **options):
         options = {k: v for k, v in options.items() if v is not None}
         with console.status(f"importing {src}"):
-            table, meta = imp.read(Path(src), **options)
-            check(table, meta.block_size, str(src))
-        write_trace(table, out, meta)
-        click.echo(f"wrote {out} ({table.num_rows:,} requests, block size {meta.block_size})")
+            if imp.write is not None:  # batch by batch, validated as it is written
+                rows = imp.write(Path(src), Path(out), **options)
+            else:
+                table, meta = imp.read(Path(src), **options)
+                check(table, meta.block_size, str(src))
+                write_trace(table, out, meta)
+                rows = table.num_rows
+        click.echo(f"wrote {out} ({rows:,} requests, block size {read_meta(out).block_size})")
 
     params = [
         click.Argument(["src"], type=click.Path(exists=True)),
@@ -123,7 +135,9 @@ def _import_command(imp: importers.Importer) -> click.Command:
         callback=run,
         params=params,
         short_help=imp.summary,
-        help=f"{imp.summary}\n\nThe result is validated before it is written.",
+        help=f"{imp.summary}\n\n"
+        + ("Read and written batch by batch, in bounded memory. " if imp.write is not None else "Read in memory. ")
+        + "The result is validated before it is written.",
     )
 
 
@@ -228,9 +242,8 @@ def info(trace_path, as_json, warmup, markdown):
 def validate(paths, as_json):
     """Check traces against schema v1; lists every violation by column and row, exits 1 if any."""
     reports = []
-    for path in paths:
-        table, meta = read_trace(path)
-        reports.append(validate_table(table, meta.block_size, source=str(path)))
+    for path in paths:  # read by row group: a trace of any length validates in bounded memory
+        reports.append(validate_file(path))
     if as_json:
         click.echo(
             json.dumps(

@@ -47,37 +47,58 @@ def geometric_counts(rng: np.random.Generator, mean: float, cap: int, total: int
 
 class Conversations:
     """n requests grouped into multi-turn sessions: request i is turn `turn[i]` of session `session[i]`,
-    requests ordered by session then turn (so the previous turn of request i > 0 is request i - 1)."""
+    requests ordered by session then turn (so the previous turn of request i > 0 is request i - 1).
+
+    A window of a larger trace (`Conversations.window`) numbers its sessions and requests from 0 like a
+    whole trace; `first_session` and `first_request` place them in the trace, for ids and content ids."""
 
     def __init__(self, rng: np.random.Generator, n: int, turns_mean: float, max_turns: int):
-        self.turns = geometric_counts(rng, turns_mean, max_turns, n)  # per session
+        self._set(geometric_counts(rng, turns_mean, max_turns, n), 0, 0)
+
+    @classmethod
+    def window(cls, turns: np.ndarray, first_session: int, first_request: int) -> Conversations:
+        """The sessions with `turns` turns each, starting at session `first_session`, request `first_request`."""
+        conv = cls.__new__(cls)
+        conv._set(np.asarray(turns, dtype=np.int64), first_session, first_request)
+        return conv
+
+    def _set(self, turns: np.ndarray, first_session: int, first_request: int) -> None:
+        self.turns = turns  # per session
+        self.first_session, self.first_request = first_session, first_request
         self.session = np.repeat(np.arange(self.turns.size), self.turns)
         self.turn = group_ranks(self.session)
+        self.step_total = 0.0  # sum of the steps between turns so far: what `arrivals` carries to the next window
 
     @property
     def n_sessions(self) -> int:
         return self.turns.size
 
-    def arrivals(self, session_start: np.ndarray, decode_s: np.ndarray, think_s: np.ndarray) -> np.ndarray:
+    def arrivals(
+        self, session_start: np.ndarray, decode_s: np.ndarray, think_s: np.ndarray, carry: float = 0.0
+    ) -> np.ndarray:
         """Arrival of each request: its session's start, then for each later turn the previous turn's
-        (assumed) server time `decode_s` plus this turn's think time."""
+        (assumed) server time `decode_s` plus this turn's think time. The steps are summed in one running
+        total over the trace; a window continues the previous window's (`carry` = its `step_total`), so
+        that windows give bit for bit the arrivals of the whole trace."""
         step = np.where(self.turn > 0, np.roll(decode_s, 1) + think_s, 0.0)
-        csum = np.cumsum(step)
+        csum = np.cumsum(np.concatenate([[carry], step]))[1:]  # (cumsum adds in order: same as one long sum)
+        self.step_total = float(csum[-1]) if csum.size else carry
         return session_start[self.session] + csum - np.repeat(csum[self.turn == 0], self.turns)
 
     def id_columns(self, prefix: str) -> dict[str, pa.Array]:
         """request_id, session_id, turn and parent_id (the previous turn) for ids like 'chat-12', 'chat-s3'."""
-        req = np.arange(self.turn.size)
+        req = np.arange(self.turn.size) + self.first_request
         return {
             "request_id": string_ids(f"{prefix}-", req),
-            "session_id": string_ids(f"{prefix}-s", self.session),
+            "session_id": string_ids(f"{prefix}-s", self.session + self.first_session),
             "turn": pa.array(self.turn.astype(np.int32)),
             "parent_id": pc.if_else(pa.array(self.turn > 0), string_ids(f"{prefix}-", np.maximum(req - 1, 0)), None),
         }
 
     def earlier_turns(self, include_current: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pairs (request, k-th turn of its session before it): (request index, that turn's request index, k).
-        Every prompt replays its session's earlier turns; `include_current` adds the request itself last."""
+        Every prompt replays its session's earlier turns; `include_current` adds the request itself last.
+        Indices count from the window's first request."""
         req = np.repeat(np.arange(self.turn.size), self.turn + int(include_current))
         k = group_ranks(req)
         return req, req - self.turn[req] + k, k
@@ -136,12 +157,17 @@ def assemble(columns: dict[str, object], segments: Segments, n_requests: int, bl
     `columns` holds per-request arrays (numpy or Arrow) for any schema column except input_tokens and
     block_hashes. Rows are sorted stably by arrival_s, so request_ids are assigned before sorting.
     """
+    table = build_table(columns, segments, n_requests, block_size)
+    order = np.argsort(np.asarray(table.column("arrival_s")), kind="stable")
+    return table.take(order)
+
+
+def build_table(columns: dict[str, object], segments: Segments, n_requests: int, block_size: int) -> pa.Table:
+    """`assemble` without the sort: the rows in request order, conformed to the schema."""
     input_tokens, hashes = segments.block_ids(n_requests, block_size)
     if np.any(input_tokens <= 0):
         raise ValueError("a generated request has an empty prompt")
     arrays = {"input_tokens": pa.array(input_tokens.astype(np.int32)), "block_hashes": hashes}
     for name, value in columns.items():
         arrays[name] = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else pa.array(value)
-    table = conform(pa.table(arrays))
-    order = np.argsort(np.asarray(table.column("arrival_s")), kind="stable")
-    return table.take(order)
+    return conform(pa.table(arrays))

@@ -315,7 +315,7 @@ def _block_hashes(c: SimpleNamespace, rows: np.ndarray, block_size: int, seed: i
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, pa.uint64()))
 
 
-@generator("agent", AgentParams)
+@generator("agent", AgentParams, bytes_per_request=18_000)
 def agent(p: AgentParams, n: int, seed: int, block_size: int):
     """Agent tasks: tool-call chains that fork sub-agents on the parent's prefix and merge their results."""
     _check(p)

@@ -41,7 +41,7 @@ def parse_weights(spec: str) -> dict[str, float]:
     return weights
 
 
-@generator("mix", MixParams)
+@generator("mix", MixParams, bytes_per_request=8_000)
 def mix(p: MixParams, n: int, seed: int, block_size: int) -> pa.Table:
     """A weighted blend of the other kinds; each keeps its own arrival process, merged on one clock."""
     weights = parse_weights(p.weights)

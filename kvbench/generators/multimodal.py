@@ -105,7 +105,7 @@ def _mm_items_column(item_hash, item_modality, offset, tokens, owner: np.ndarray
     return pa.ListArray.from_arrays(pa.array(offsets), items, type=pa.list_(MM_ITEM))
 
 
-@generator("multimodal", MultimodalParams)
+@generator("multimodal", MultimodalParams, bytes_per_request=4_000)
 def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     """Image/video/audio prompts with Zipf-popular, reusable media items and short sessions."""
     rng = rng_for(seed, "multimodal")

@@ -112,7 +112,7 @@ def _adapters(p: MultiTenantParams, rng: np.random.Generator, n_tenants: int) ->
     return first, count
 
 
-@generator("multi-tenant", MultiTenantParams)
+@generator("multi-tenant", MultiTenantParams, bytes_per_request=7_000)
 def multi_tenant(p: MultiTenantParams, n: int, seed: int, block_size: int):
     """Zipf-skewed tenants with public/private prefixes, salts, priorities, LoRA and returning users."""
     rng = rng_for(seed, "multi-tenant")

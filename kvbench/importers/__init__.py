@@ -1,7 +1,10 @@
 """Importers of public trace formats. Each module registers itself with `@importer`; none is listed by hand.
 
 An importer is `fn(src: Path, **options) -> (pa.Table, TraceMeta)`; it raises `TraceFormatError` naming the
-file, line/row and field for anything it cannot read, and never drops a record silently.
+file, line/row and field for anything it cannot read, and never drops a record silently. An importer that
+streams also registers `write(src, out, **options) -> rows`, which converts the source batch by batch into a
+validated trace file in bounded memory (mooncake, azure, burstgpt); the others build the table in memory
+(bailian follows parent chains across the whole file; kv-cache-tester interleaves conversations by time).
 """
 
 from __future__ import annotations
@@ -28,17 +31,19 @@ class Importer:
     read: Callable
     summary: str
     option_help: dict[str, str]
+    write: Callable | None = None  # streamed form: (src, out, **options) -> rows written
 
 
 _REGISTRY: Registry[Importer] = Registry(__name__, "trace format")
 
 
-def importer(name: str, options: dict[str, str] | None = None):
-    """Register `fn(src, **options)`; `options` documents its keyword options beyond COMMON_OPTIONS."""
+def importer(name: str, options: dict[str, str] | None = None, write: Callable | None = None):
+    """Register `fn(src, **options)`; `options` documents its keyword options beyond COMMON_OPTIONS; `write`
+    is its streamed form, if it has one (same options, plus the output path)."""
 
     def wrap(fn):
         summary = (fn.__doc__ or name).strip().splitlines()[0]
-        _REGISTRY.add(name, Importer(name, fn, summary, {**COMMON_OPTIONS, **(options or {})}))
+        _REGISTRY.add(name, Importer(name, fn, summary, {**COMMON_OPTIONS, **(options or {})}, write))
         return fn
 
     return wrap

@@ -6,7 +6,9 @@ is reported with file, line and column instead of a raw Arrow error.
 
 from __future__ import annotations
 
+import copy
 import csv
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,8 @@ class CsvFile:
     Data row r (0-based, header and blank lines not counted) is reported by its 1-based line number in the file.
     """
 
-    def __init__(self, path: Path, required: tuple[str, ...], fmt: str):
+    def __init__(self, path: Path, required: tuple[str, ...], fmt: str, read: bool = True):
+        """Check the header; `read` also reads every row (`parts()` reads them a block at a time instead)."""
         self.path = path = Path(path)
         if not path.exists():
             raise TraceFormatError(f"{path}: no such file")
@@ -54,17 +57,49 @@ class CsvFile:
         self.header = header
         self.names = {c: by_norm[_norm(c)] for c in required}  # canonical name -> name in this file
         self.extra = [h for h in header if _norm(h) not in {_norm(c) for c in required}]
+        self.first_row = 0  # data row of the file where `table` starts (a part of it: `parts()`)
+        self._lines: np.ndarray | None = None
+        self.table: pa.Table | None = None
+        if read:
+            try:
+                self.table = pacsv.read_csv(path, read_options=self._read_options(), convert_options=self._convert())
+            except _ARROW_ERRORS as exc:
+                raise self._locate_parse_error(exc) from None
+            if self.table.num_rows == 0:
+                raise self._no_rows()
+
+    def _read_options(self, **kw) -> pacsv.ReadOptions:
+        return pacsv.ReadOptions(column_names=self.header, skip_rows=1, **kw)
+
+    def _convert(self) -> pacsv.ConvertOptions:
+        return pacsv.ConvertOptions(column_types={h: pa.string() for h in self.header})
+
+    def _no_rows(self) -> TraceFormatError:
+        return TraceFormatError(f"{self.path}: file has a header but no data rows; nothing to import")
+
+    def parts(self, block_bytes: int = 16 << 20) -> Iterator[CsvFile]:
+        """The file a block (`block_bytes` of text) at a time, each part a CsvFile of those rows whose
+        conversions and errors work as on the whole file (lines are counted from the file's start)."""
         try:
-            self.table = pacsv.read_csv(
-                path,
-                read_options=pacsv.ReadOptions(column_names=header, skip_rows=1),
-                convert_options=pacsv.ConvertOptions(column_types={h: pa.string() for h in header}),
+            reader = pacsv.open_csv(
+                self.path, read_options=self._read_options(block_size=block_bytes), convert_options=self._convert()
             )
         except _ARROW_ERRORS as exc:
             raise self._locate_parse_error(exc) from None
-        if self.table.num_rows == 0:
-            raise TraceFormatError(f"{path}: file has a header but no data rows; nothing to import")
-        self._lines: np.ndarray | None = None
+        first = 0
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except _ARROW_ERRORS as exc:
+                raise self._locate_parse_error(exc) from None
+            part = copy.copy(self)
+            part.table, part.first_row = pa.Table.from_batches([batch]), first
+            first += batch.num_rows
+            yield part
+        if first == 0:
+            raise self._no_rows()
 
     def _locate_parse_error(self, exc: Exception) -> TraceFormatError:
         """Arrow names no line for a malformed row: find it with the csv module (only on this error path)."""
@@ -99,8 +134,9 @@ class CsvFile:
         return int(self._lines[row]) if row < self._lines.size else row + 2
 
     def error(self, row: int, column: str, problem: str) -> TraceFormatError:
+        """An error at row `row` of `table`."""
         return TraceFormatError(
-            f"{self.path}: line {self.line(row)}: column {self.names.get(column, column)!r} {problem}"
+            f"{self.path}: line {self.line(self.first_row + row)}: column {self.names.get(column, column)!r} {problem}"
         )
 
     def strings(self, column: str) -> pa.ChunkedArray:
@@ -147,6 +183,32 @@ class CsvFile:
     def extra_columns(self) -> dict[str, pa.ChunkedArray]:
         """Unknown columns, kept as strings under their own names (DESIGN: unknown extra columns are kept)."""
         return {h: self.table.column(h) for h in self.extra}
+
+
+class FirstErrors:
+    """The first error of each column over a file read in parts, raised after the whole file was read in the
+    order a whole-file import checks the columns, so that both report the same error."""
+
+    def __init__(self):
+        self.first: dict[str, TraceFormatError] = {}
+
+    def run(self, column: str, check):
+        """`check()`'s result, or None if it raised (kept when it is the column's first error)."""
+        try:
+            return check()
+        except TraceFormatError as exc:
+            self.first.setdefault(column, exc)
+            return None
+
+    @staticmethod
+    def check(errors: FirstErrors | None, column: str, check):
+        """`check()` as is without `errors` (a whole file: the first error is raised), else `errors.run`."""
+        return check() if errors is None else errors.run(column, check)
+
+    def raise_first(self, columns) -> None:
+        for column in columns:
+            if column in self.first:
+                raise self.first[column]
 
 
 def _parses_as_float(value) -> bool:

@@ -35,7 +35,7 @@ def test_scan_equals_whole_table(path):
     tenants = table.column("tenant").cast(pa.string()).fill_null("(none)")
     assert scanned.tenant_names == pc.unique(tenants).to_pylist()  # in order of first appearance
     assert scanned.filled == {c for c in REPLAY_COLUMNS if table.column(c).null_count < table.num_rows}
-    assert scanned.requests is None and scanned.infinite_hits is None  # nothing per request by default
+    assert scanned.infinite_hits is None  # nothing per request by default
     chunks = list(scanned.chunks())
     assert [c.num_rows for c in chunks[:-1]] == [333] * (len(chunks) - 1)
     assert scanned.chunk_refs == max(
@@ -43,10 +43,8 @@ def test_scan_equals_whole_table(path):
     )
     assert pa.Table.from_batches(chunks).equals(table.select(["block_hashes", *REPLAY_COLUMNS]))
 
-    kept = scan_trace(path, chunk_rows=333, keep_requests=True)
+    kept = scan_trace(path, chunk_rows=333, keep_hits=True)
     np.testing.assert_array_equal(kept.infinite_hits, hits)
-    np.testing.assert_array_equal(kept.n_blocks, n_blocks)
-    assert kept.requests.column("request_id").to_pylist() == table.column("request_id").to_pylist()
 
 
 def test_violations_in_later_chunks_are_reported_like_the_whole_table(tmp_path):
