@@ -147,3 +147,13 @@ def arrival_slack(*bounds: float) -> float:
     """An upper bound on how far an arrival can round below its session's start, given upper bounds on the
     session starts and on the running sum of steps: a few ulps of their sum."""
     return 4 * float(np.spacing(np.float64(sum(abs(b) for b in bounds) + 1.0)))
+
+
+def stream_conversations(turns, window_requests, draws, decode_s_per_token: float, window) -> Iterator[pa.Table]:
+    """The requests of multi-turn conversations in arrival order, built a window of sessions at a time by
+    `window(conv, clock, carry)`; a turn follows its predecessor after its decode and think time, which bounds
+    how late a later window's rows can arrive (chat and reasoning share this)."""
+    steps = decode_s_per_token * draws.totals["out_len"] + draws.totals["think"]
+    clock = PoissonClock()
+    windows = conversation_windows(turns, window_requests, lambda conv, carry: window(conv, clock, carry))
+    return in_arrival_order(windows, arrival_slack(draws.totals["gap"], steps))

@@ -18,7 +18,7 @@ from ._common import (
     string_ids,
     zipf_indices,
 )
-from ._stream import PoissonClock, SequentialDraws, arrival_slack, conversation_windows, in_arrival_order
+from ._stream import SequentialDraws, stream_conversations
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,13 @@ def chat(p: ChatParams, n: int, seed: int, block_size: int, window_requests: int
         },
         whole=window_requests is None,
     )
-    steps = p.decode_s_per_token * draws.totals["out_len"] + draws.totals["think"]
-    clock = PoissonClock()
-
-    def build(conv, carry):
-        return _chat_window(p, seed, block_size, conv, draws, clock, system_len, carry)
-
-    windows = conversation_windows(turns, window_requests, build)
-    return in_arrival_order(windows, arrival_slack(draws.totals["gap"], steps))
+    return stream_conversations(
+        turns,
+        window_requests,
+        draws,
+        p.decode_s_per_token,
+        lambda conv, clock, carry: _chat_window(p, seed, block_size, conv, draws, clock, system_len, carry),
+    )
 
 
 def _chat_window(p: ChatParams, seed, block_size, conv: Conversations, draws, clock, system_len, carry):

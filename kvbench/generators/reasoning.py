@@ -18,7 +18,7 @@ from ._common import (
     string_ids,
     zipf_indices,
 )
-from ._stream import PoissonClock, SequentialDraws, arrival_slack, conversation_windows, in_arrival_order
+from ._stream import SequentialDraws, stream_conversations
 
 # Output cap, a little above the largest completion budgets of reasoning APIs (OpenAI o-series: 100,000
 # output tokens; deepseek-reasoner: max_tokens up to 64K, reasoning included).
@@ -80,14 +80,13 @@ def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int, window_req
         },
         whole=window_requests is None,
     )
-    steps = p.decode_s_per_token * draws.totals["out_len"] + draws.totals["think"]
-    clock = PoissonClock()
-
-    def build(conv, carry):
-        return _reasoning_window(p, seed, block_size, conv, draws, clock, system_len, carry)
-
-    windows = conversation_windows(turns, window_requests, build)
-    return in_arrival_order(windows, arrival_slack(draws.totals["gap"], steps))
+    return stream_conversations(
+        turns,
+        window_requests,
+        draws,
+        p.decode_s_per_token,
+        lambda conv, clock, carry: _reasoning_window(p, seed, block_size, conv, draws, clock, system_len, carry),
+    )
 
 
 def _reasoning_window(p: ReasoningParams, seed, block_size, conv: Conversations, draws, clock, system_len, carry):

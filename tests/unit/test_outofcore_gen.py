@@ -135,7 +135,7 @@ def test_a_failed_generation_leaves_no_file(tmp_path, monkeypatch):
         for part in real(windows, slack):
             yield part.take(pa.array(np.arange(part.num_rows)[::-1]))
 
-    monkeypatch.setattr("kvbench.generators.chat.in_arrival_order", broken)
+    monkeypatch.setattr("kvbench.generators._stream.in_arrival_order", broken)
     with pytest.raises(Exception, match="non-decreasing"):
         get("chat").write(out, 500, window_requests=100)
     assert not list(tmp_path.iterdir())
