@@ -22,7 +22,7 @@ from ..sim.prepared import prepare
 from . import scenarios as _scenarios
 from .cluster import ROUTERS, simulate
 from .engine import Instance, Req, Scheduler
-from .tiers import Tier, TierStack
+from .tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 
 
 def _size_option(flag: str, help: str) -> click.Option:
@@ -115,13 +115,32 @@ class EngineSimBackend:
             ),
             _size_option("--dram", "host DRAM tier per instance (bytes, e.g. 64GiB; 0 = none)"),
             _size_option("--ssd", "local SSD tier per instance (bytes, e.g. 1TB; 0 = none)"),
-            _size_option("--global-pool", "KV pool shared by all instances, Mooncake Store style (bytes; 0 = none)"),
+            _size_option(
+                "--global-pool",
+                "global KV store shared by all instances, Mooncake Store / LMCache style: blocks, tokens "
+                "(30M tok) or bytes (500GB); 0 = none. Every instance looks a prompt up in its HBM, DRAM, SSD, "
+                "then the store",
+            ),
             click.Option(
                 ["--pool-bandwidth"],
                 type=click.FloatRange(min=0, min_open=True),
                 default=25.0,
                 show_default=True,
-                help="global pool → HBM bandwidth per instance (GB/s)",
+                help="global store → HBM bandwidth per instance (GB/s): what a block loaded from the store costs",
+            ),
+            click.Option(
+                ["--pool-put"],
+                type=click.Choice(list(STORE_PUTS)),
+                default="prefill",
+                show_default=True,
+                help="when an instance puts KV blocks into the global store: prefill (as soon as it computes or "
+                "admits them, write-through) or evict (when they leave the instance: a victim cache)",
+            ),
+            click.Option(
+                ["--pool-policy"],
+                default="lru",
+                show_default=True,
+                help=f"eviction policy of the global store (its own, apart from --policy): {', '.join(STORE_POLICIES)}",
             ),
             click.Option(
                 ["--write-through/--write-back"],
@@ -177,6 +196,8 @@ class EngineSimBackend:
         ssd="0",
         global_pool="0",
         pool_bandwidth=25.0,
+        pool_put="prefill",
+        pool_policy="lru",
         write_through=False,
         closed_loop=False,
         mfu=0.5,
@@ -191,6 +212,7 @@ class EngineSimBackend:
         from .roofline import LatencyModel
 
         self.policies = _policies.parse_names(policy)
+        check_store_options(pool_policy, pool_put)  # before any replay, as the other names are
         if router not in ROUTERS:
             raise KvbenchError(f"unknown router {router!r}; choose from: {', '.join(ROUTERS)}")
         loaded = load_specs(specs) if specs else None
@@ -215,6 +237,8 @@ class EngineSimBackend:
             "ssd": ssd,
             "global_pool": global_pool,
             "pool_bandwidth_gbps": pool_bandwidth,
+            "pool_put": pool_put,
+            "pool_policy": pool_policy,
             "write_through": write_through,
             "closed_loop": closed_loop,
             "mfu": mfu,
@@ -272,7 +296,10 @@ class EngineSimBackend:
         pool_blocks = self.pool_blocks(bs)
         kvb = self.latency.kv_bytes_per_token * bs
         pool_size = self._blocks(s["global_pool"], bs)
-        pool = Tier("global", pool_size, s["pool_bandwidth_gbps"] * 1e9) if pool_size else None
+        pool = None
+        if pool_size:
+            pool_bw = s["pool_bandwidth_gbps"] * 1e9
+            pool = GlobalStore("global", pool_size, pool_bw, policy=s["pool_policy"], put_on=s["pool_put"])
         instances = []
         for i in range(s["instances"]):
             cache = pol.cache(prep, pool_blocks, {})

@@ -72,6 +72,8 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
             "written": {name: t.written * kv_bytes_block for name, t in lower.items()},
         },
         "hit_blocks": {"local": local, "global": int(hits["global"].sum())},
+        # the shared store's own traffic and occupancy (one object for every instance): None without --global-pool
+        "global_store": pool.summary(kv_bytes_block) if pool is not None else None,
         "requests_per_instance": _per_instance(reqs, instances),
         "kv_lifetime_s": _lifetimes(instances),
     }
