@@ -183,12 +183,25 @@ def export(trace_path, fmt, out, renumber):
     "--block-size",
     type=click.IntRange(min=1),
     required=True,
-    help="new block size in tokens; must divide the trace's (e.g. 16 or 32 for a trace of 64)",
+    help="the engine's KV block size in tokens (vLLM's --block-size, e.g. 16 or 32); any size, it need not "
+    "divide the trace's",
 )
-@click.option("-o", "--out", type=click.Path(dir_okay=False), required=True, help="output trace (.parquet)")
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="output trace (.parquet): TRACE's rows with block_hashes at --block-size tokens a block",
+)
 def rebase(trace_path, block_size, out):
-    """Re-cut block ids at an engine's smaller block size, so that the simulator predicts what that engine
-    can hit. Live replays use the original trace: its prompts are the same tokens."""
+    """Re-cut TRACE's block ids at an engine's block size, so that the simulator predicts what that engine
+    can hit.
+
+    The new ids come from the prompts a live replay of TRACE sends (text synthesised from the block ids, media
+    spans from each item's content hash): two blocks get the same id exactly when the prompts hold the same
+    tokens from their start to the end of that block, as the engine's prefix cache sees them. Live replays use
+    the original TRACE: its prompts are those tokens.
+    """
     from ..prompts import rebase_blocks
     from ..traceio import new_meta
     from ..tracescan import trace_fingerprint
