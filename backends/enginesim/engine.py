@@ -201,7 +201,9 @@ class Instance:
             else:
                 decoding.append(req)
                 budget -= 1
-        step = self.latency.step_s([(take, r.context) for r, take in pieces], [r.context for r in decoding])
+        prefills, contexts = [(take, r.context) for r, take in pieces], [r.context for r in decoding]
+        step = self.latency.step_s(prefills, contexts)
+        step += sum(sc.step_extra_s(self, prefills, contexts) for sc in self.scenarios)  # e.g. attn-ffn transfers
         steps = 1
         if (
             decoding
@@ -212,7 +214,8 @@ class Instance:
             steps = self._fast_forward(decoding)
             if steps > 1:
                 mid = [r.context + (steps - 1) / 2 for r in decoding]  # KV grows linearly over the window
-                step = self.latency.step_s([], mid) * steps
+                extra = sum(sc.step_extra_s(self, [], mid) for sc in self.scenarios)
+                step = (self.latency.step_s([], mid) + extra) * steps
         self.stats["steps"] += steps
         return step + extra_s, pieces, decoding, steps
 

@@ -51,6 +51,14 @@ class Scenario:
         """Seconds a prefilled request's KV takes to reach a decode instance (disaggregated serving)."""
         return 0.0
 
+    def step_extra_s(self, inst, prefills: list[tuple[int, int]], decode_contexts: list) -> float:
+        """Seconds added to one iteration of `inst` whose work is given as `LatencyModel.step_s` takes it
+        (prefill pieces as (new tokens, cached context), one context per decoding sequence). Negative when
+        the scenario overlaps work the roofline runs one after another; the iteration is then
+        `step_s(...) + this`, which a scenario must keep ≥ 0. A decode-only window of k identical
+        iterations asks once, with the window's mean contexts, and is charged k times."""
+        return 0.0
+
     # simulate() sets `schedule(when, fn)`: run fn(t) at simulated time `when` (e.g. an instance coming up)
 
     def timers(self) -> list[tuple[float, object]]:

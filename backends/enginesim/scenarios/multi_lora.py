@@ -1,7 +1,32 @@
 """Multi-LoRA KV: `isolated` puts the adapter in the cache key (vLLM today: requests of different adapters never
-share KV), `shared-base` shares the base model's KV among all adapters and keeps a per-adapter delta of
-relative size `--lora-delta` beside each block an adapter uses. Reported: KV bytes the cache holds at the end
-and hit rates, to compare the two as adapters multiply (1…100)."""
+share KV); `shared-base` stores the base model's KV once for all adapters plus, for each adapter that uses a
+block, a delta of relative size d = `--lora-delta`. Reported: KV bytes the cache holds at the end and hit
+rates, to compare the two as adapters multiply (1…100).
+
+Deltas are KV like any other: they live in the same pool and go through the same policy. An adapter's deltas
+for g = ⌊1/d⌋ consecutive full blocks of a prompt (positions [j·g, (j+1)·g)) are packed into one pool block,
+a *delta page*; its key is (adapter, key of the last block it covers), prefix-chained like every key, so the
+page of a group a prompt ends inside (or leaves for its own suffix) is that request's own, a whole block for
+its few deltas. After a request's blocks are admitted, its pages are admitted through the policy (held while
+it runs, evicting what the policy chooses when the pool is full), so base blocks + pages never exceed the
+pool. A block hits for adapter a only when its base block and the newest page holding a's delta for it are
+both cached: the delta is part of the adapter's KV and cannot be had without running the adapter. The policy
+still takes the whole base hit (its blocks are reused in place, not stored twice); the engine is told only
+the covered part and prefills the rest. Sharing thus saves memory, not compute: with room for everything
+shared-base hits exactly as isolated does; in a bounded pool it keeps more prefixes and hits more. Requests
+without an adapter use base blocks only.
+
+Footprint of a prefix of B blocks used by N adapters: isolated N·B blocks, shared-base B + N·⌊B/g⌋ pages
+(plus the pages a request's own suffix starts) ≈ B·(1 + N·d); at N = 100, d = 0.1 that is 100 vs 11, about
+9× on the shared part, tending to 1/d as N grows. KV that is not shared (each request's own suffix) costs as
+much in both, plus its pages in shared-base (benchmarks/lora_sharing.py).
+
+Pages are keys outside the trace's key space. A policy that admits blocks one by one (`admit`: lru, fifo,
+lfu, s3fifo) takes them as it takes the request's own blocks; vLLM's slot pool gives each page a slot from the
+head of its free queue, held until the request ends and then released like a hashed block. The trie policies
+(which need a parent for every key) are refused. Tiers below HBM see pages as blocks but a lower-tier hit needs
+no page (deltas are modeled in HBM only).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +35,7 @@ import numpy as np
 
 from kvbench.errors import KvbenchError
 
+from ...sim.policies._reference import PrefixCache
 from . import Scenario, scenario
 
 
@@ -22,19 +48,22 @@ class MultiLora(Scenario):
             type=click.Choice(["isolated", "shared-base"]),
             default=None,
             help="isolated: the adapter is part of the cache key (vLLM); shared-base: base KV shared by all "
-            "adapters plus a per-adapter delta [default: as --share-lora-kv says, no delta]",
+            "adapters plus a per-adapter delta in the same pool [default: as --share-lora-kv says, no delta]",
         ),
         click.Option(
             ["--lora-delta"],
             type=click.FloatRange(0, 1),
             default=0.1,
             show_default=True,
-            help="shared-base: size of an adapter's KV delta relative to the base block",
+            help="shared-base: bytes of an adapter's KV delta per block, as a fraction of a base block "
+            "(0: no delta; 1/d deltas share one pool block)",
         ),
     ]
 
     def __init__(self, mode: str, delta: float):
         self.mode, self.delta = mode, delta
+        # deltas per pool block (the epsilon keeps 1/0.1 from flooring to 9)
+        self.per_page = int(1 / delta + 1e-9) if mode == "shared-base" and delta > 0 else 0
 
     @classmethod
     def create(cls, settings):
@@ -50,30 +79,134 @@ class MultiLora(Scenario):
 
     def attach(self, instances, reqs, trace, prep, block_size):
         lora = trace.column("lora").cast("string").to_pylist() if "lora" in trace.column_names else [None] * len(reqs)
-        # adapters that use each key (shared-base: one delta each)
-        users: dict[int, set] = {}
-        for r, adapter in enumerate(lora):
-            if adapter is not None:
-                for k in prep.keys[prep.offsets[r] : prep.offsets[r + 1]].tolist():
-                    users.setdefault(k, set()).add(adapter)
-        self.users = users
+        self.adapter, self.prep = lora, prep
         self.adapters = len({a for a in lora if a is not None})
+        self.pages: dict[tuple[str, int], int] = {}  # (adapter, last base key covered) -> page key
+        self.page_of: dict[tuple[str, int], int] = {}  # (adapter, base key) -> page holding its delta
+        self.first_page = prep.n_keys  # page keys follow the trace's dense keys
+        if not self.per_page:
+            return
+        for inst in instances:
+            self._wrap(inst.cache, _page_admitter(inst.cache))
+
+    def _keys(self, row: int) -> list:
+        p = self.prep
+        return p.keys[p.offsets[row] : p.offsets[row + 1]].tolist()
+
+    def _wrap(self, cache, admit_page) -> None:
+        lookup, begin, contains = cache.lookup, cache.begin, cache.contains
+
+        def covered_lookup(row):
+            return self._covered(cache, row, lookup(row))
+
+        def begun(row):
+            # the policy takes the base hit as usual (its blocks are held and reused in place, not stored twice);
+            # the engine is told only what the adapter's deltas cover, and computes the rest
+            covered = covered_lookup(row)
+            hit = begin(row)
+            self._admit_pages(cache, contains, admit_page, row)
+            return min(hit, covered)
+
+        cache.lookup, cache.begin = covered_lookup, begun
+
+    def _covered(self, cache, row: int, hit: int) -> int:
+        """Leading blocks of `row` (of its `hit` cached base blocks) whose delta for its adapter is cached too."""
+        adapter = self.adapter[row]
+        if adapter is None:
+            return hit
+        keys = self._keys(row)
+        for pos in range(hit):
+            page = self.page_of.get((adapter, keys[pos]))
+            if page is None or not cache.contains(page):
+                return pos
+        return hit
+
+    def _admit_pages(self, cache, contains, admit_page, row: int) -> None:
+        """Admit (or touch) the pages of the request's cached leading blocks, one per group of g."""
+        adapter = self.adapter[row]
+        if adapter is None:
+            return
+        keys = self._keys(row)
+        # full blocks only: a partial last block's key is one no longer prompt shares, so a page ending there
+        # could never cover a later turn of the same conversation (its delta is recomputed with it)
+        full = min(len(keys), int(self.prep.input_tokens[row]) // self.prep.block_size)
+        cached = 0
+        while cached < full and contains(keys[cached]):
+            cached += 1
+        cache.request = row
+        for start in range(0, cached, self.per_page):
+            last = min(start + self.per_page, cached) - 1
+            page = self.pages.setdefault((adapter, keys[last]), self.first_page + len(self.pages))
+            admit_page(row, page)
+            for key in keys[start : last + 1]:  # where each block's delta is now (the newest page holding it)
+                self.page_of[(adapter, key)] = page
 
     def summary(self, reqs, instances, prep, kv_bytes_block):
-        blocks = deltas = 0
+        blocks = pages = pool = 0
         for inst in instances:
             cached = list(inst.cache.owner)
-            blocks += len(cached)
-            if self.mode == "shared-base":
-                deltas += sum(len(self.users.get(k, ())) for k in cached)
-        occupied = (blocks + self.delta * deltas) * kv_bytes_block
+            in_pages = sum(1 for k in cached if k >= self.first_page)
+            blocks, pages, pool = blocks + len(cached) - in_pages, pages + in_pages, pool + inst.pool
         hit = np.array([sum((r.hit or {}).values()) for r in reqs], dtype=np.int64)
         return {
             "mode": self.mode,
             "adapters": self.adapters,
             "delta": self.delta if self.mode == "shared-base" else 0.0,
-            "cached_blocks": blocks,
-            "delta_blocks": self.delta * deltas,
-            "kv_bytes_occupied": occupied,
+            "deltas_per_block": self.per_page,
+            "cached_blocks": blocks,  # base KV (isolated: every adapter's own copy)
+            "delta_blocks": pages,  # pool blocks holding delta pages
+            "kv_bytes_occupied": (blocks + pages) * kv_bytes_block,
+            "pool_bytes": pool * kv_bytes_block,
             "hit_blocks": int(hit.sum()),
         }
+
+
+def _page_admitter(cache):
+    """`admit(row, page)`: take (or touch) a delta page for request `row`, through the policy's own admission."""
+    if all(hasattr(cache, a) for a in ("free", "copies", "refs", "held", "_hash", "_drop")):
+        return _SlotPages(cache).admit  # vLLM's slot pool
+    from ...sim.policies._trie import TrieReference
+
+    if type(cache).admit is PrefixCache.admit or isinstance(cache, TrieReference):
+        raise KvbenchError(
+            f"--lora-kv shared-base keeps delta pages in the policy; {type(cache).__name__} cannot hold keys "
+            "outside the trace: use vllm, lru, fifo, lfu or s3fifo"
+        )
+    return lambda row, page: cache.admit(page, 0)  # as a block after the hit: cached, touched or evicting
+
+
+class _SlotPages:
+    """Pages in vLLM's slot pool: a cached page's oldest slot is held as a hit block is; a new page takes the
+    head of the free queue (evicting what it held) as a computed block does. The request's page slots are
+    released after its own blocks, when it ends, to the tail of the free queue (they are hashed)."""
+
+    def __init__(self, pool):
+        self.pool, self.held = pool, {}
+        end = pool.end
+
+        def ended(row):
+            end(row)
+            for slot in reversed(self.held.pop(row, [])):
+                pool.refs[slot] -= 1
+                if pool.refs[slot] == 0:
+                    pool.free[slot] = None
+
+        pool.end = ended
+
+    def admit(self, row, page):
+        pool, mine = self.pool, self.held.setdefault(row, [])
+        if page in pool.copies:
+            slot = pool.copies[page][0]
+            if slot in mine:
+                return
+            if pool.refs[slot] == 0:
+                del pool.free[slot]
+            pool.refs[slot] += 1
+        elif pool.free:
+            slot, _ = pool.free.popitem(last=False)
+            pool._drop(slot)
+            pool.refs[slot] = 1
+            pool._hash(slot, page)
+        else:
+            return  # every slot is held: the page is not cached (the adapter recomputes these blocks next time)
+        mine.append(slot)

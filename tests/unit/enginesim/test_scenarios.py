@@ -50,19 +50,27 @@ def test_a_reasoning_pool_shields_chat_from_long_decodes(tmp_path):
     assert chat_ttft_p99(pooled_rows) < chat_ttft_p99(shared_rows)
 
 
-def test_shared_base_lora_kv_occupies_less_than_isolated_for_ten_adapters(tmp_path):
+def test_shared_base_lora_kv_stays_in_the_pool_for_ten_adapters(tmp_path):
+    """Deltas are charged to the pool (hand-counted cases: test_scenario_fixes.py). In this trace adapters belong
+    to salted tenants and share little KV across adapters, so shared-base saves little and its deltas cost."""
     trace = tmp_path / "lora10.parquet"
     subprocess.run(
         ["kvbench", "trace", "gen", "multi-tenant", "-n", "1500", "--seed", "4", "--lora-tenant-share", "1",
          "--lora-adapters", "10", "--lora-session-share", "1", "-o", trace],
         check=True, capture_output=True,
     )  # fmt: skip
-    _, iso = replay(trace, tmp_path, "iso", lora_kv="isolated", hbm_capacity="100000000")
-    _, shared = replay(trace, tmp_path, "shared", lora_kv="shared-base", lora_delta=0.1, hbm_capacity="100000000")
-    a, b = scenario(iso, "multi-lora"), scenario(shared, "multi-lora")
-    assert a["adapters"] == b["adapters"] == 10
-    assert b["kv_bytes_occupied"] < a["kv_bytes_occupied"] and b["delta_blocks"] > 0
-    assert shared["hit_rate"]["token"]["all"] >= iso["hit_rate"]["token"]["all"]
+    table, _ = read_trace(trace)
+    unbounded = str(sum(len(h) for h in table.column("block_hashes").to_pylist()))  # every block fits
+    for pool in ("3000", unbounded):
+        _, iso = replay(trace, tmp_path, f"iso{pool}", lora_kv="isolated", hbm_capacity=pool)
+        _, shared = replay(trace, tmp_path, f"shared{pool}", lora_kv="shared-base", lora_delta=0.1, hbm_capacity=pool)
+        a, b = scenario(iso, "multi-lora"), scenario(shared, "multi-lora")
+        assert a["adapters"] == b["adapters"] == 10 and b["delta_blocks"] > 0 == a["delta_blocks"]
+        assert a["kv_bytes_occupied"] <= a["pool_bytes"] and b["kv_bytes_occupied"] <= b["pool_bytes"]
+    # with room for everything (the last pool), a hit needs the adapter's own delta page: about isolated's hit
+    # rate, a little below it (a page covers 10 blocks; a prompt that leaves a group early has no page there)
+    rate = lambda p: p["hit_rate"]["token"]["all"]  # noqa: E731
+    assert rate(iso) - 0.01 < rate(shared) <= rate(iso)
 
 
 def test_position_independent_media_kv_raises_the_image_hit_rate(tmp_path):
