@@ -102,7 +102,7 @@ class SimBackend:
             click.Option(
                 ["--curve"],
                 is_flag=True,
-                help="the full hit-rate-vs-capacity curve of lru/vllm in one "
+                help="the full hit-rate-vs-capacity curve of lru in one "
                 "pass (stack distances), with the Belady bound at a few capacities",
             ),
             click.Option(
@@ -255,7 +255,7 @@ class SimBackend:
             if not pol.stack:
                 continue
             prep = prepared_for(pol.name)
-            curve = lru_curve(prep, vllm=pol.name == "vllm")
+            curve = lru_curve(prep)
             grid = np.unique(np.geomspace(1, max(prep.n_keys, 2), CURVE_POINTS).astype(np.int64))
             yield PointResult(labels={"policy": pol.name}, extra={"curve": curve.summary(grid)})
         if self.bound:

@@ -1,20 +1,19 @@
-"""One-pass hit-rate-vs-capacity curve of `lru` and `vllm` by LRU stack distances (DESIGN.md section 5).
+"""One-pass hit-rate-vs-capacity curve of `lru` by LRU stack distances (docs/policies.md).
 
-Both policies are LRU on some reference string (`lru`: every block of a request in prompt order; `vllm`: the
-request's full blocks in reverse order, block 0 last), so at any time a cache of C blocks holds exactly the C
-most recently referenced distinct keys. One pass over the trace gives, for every block of every request, its
+Block LRU references every block of a request in prompt order, so at any time a cache of C blocks holds exactly
+the C most recently referenced distinct keys. (`vllm` is not a stack algorithm: its pool holds anonymous blocks
+for generated tokens and duplicate copies, so its hit rate at C blocks is not a function of stack depths.) One pass over the trace gives, for every block of every request, its
 *lookup depth*: its position in the LRU stack when the request arrives (1 = most recent; never referenced =
 infinite). Block i then hits at capacity C iff blocks 0..i all have depth <= C (the prefix rule) and
 i < max_hit. The pass keeps, per block, the running maximum of those depths over blocks 0..i, so the hit
 blocks of every request at *every* capacity come from one array; histograms of it give the totals.
 
 Depths come from a Fenwick tree over reference times holding a 1 at each key's last reference: the depth of
-a key last referenced at time t is the number of ones in [t, now]. (Taking depths at the lookup, before the
-request's own references, is what makes the `vllm` reverse order work; for `lru` it equals the usual rule
-"max stack distance over blocks 0..i <= C".)
+a key last referenced at time t is the number of ones in [t, now]. (Depths taken at the lookup, before the
+request's own references, equal the usual rule "max stack distance over blocks 0..i <= C".)
 
-The curve is exact: at every capacity its hit blocks per request equal a replay of the policy's kernel
-(tests check this), except that `vllm`'s eviction counts are not modelled here.
+The curve is exact: at every capacity its hit blocks per request equal a replay of the `lru` kernel (tests
+check this).
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ def _fenwick_range(bit, a, b):
     return s
 
 
-@kernel_fn("i4[::1](i4[::1], i8[::1], i4[::1], i8[::1], i8, b1, i8, i4[::1], i4[::1])")
-def _depths(keys, offsets, max_hit, input_tokens, block_size, vllm, n_keys, bit, last):
+@kernel_fn("i4[::1](i4[::1], i8[::1], i4[::1], i8, i4[::1], i4[::1])")
+def _depths(keys, offsets, max_hit, n_keys, bit, last):
     """For every reference j, the largest lookup depth over the blocks of its request up to j (NEVER when one
     of them is not cached at any capacity, or j >= max_hit). `bit` (int32[m + 1]) and `last` (int32[n_keys])
     are work buffers."""
@@ -78,12 +77,8 @@ def _depths(keys, offsets, max_hit, input_tokens, block_size, vllm, n_keys, bit,
             j += 1
         for i in range(j, hi):
             depth[i] = never
-        # update: reference the blocks (vllm: full blocks only, last one first)
-        if vllm:
-            first, stop, step = lo + min(hi - lo, input_tokens[r] // block_size) - 1, lo - 1, -1
-        else:
-            first, stop, step = lo, hi, 1
-        for i in range(first, stop, step):
+        # update: reference the blocks in prompt order
+        for i in range(lo, hi):
             k = keys[i]
             t = last[k]
             if t > 0:
@@ -175,7 +170,7 @@ class CurvePoints:
 class Curve:
     """Hit blocks of every request at every capacity, from one pass (see the module docstring)."""
 
-    policy: str  # "lru" or "vllm"
+    policy: str  # "lru"
     warmup: float
     block_size: int
     n_keys: int
@@ -226,20 +221,19 @@ class Curve:
         }
 
 
-def lru_curve(trace: PreparedTrace, vllm: bool = False, warmup: float = DEFAULT_WARMUP) -> Curve:
-    """The one-pass curve of `lru`, or of `vllm` (prepare the trace with `vllm_cap=True` for that, as the sim
-    backend does: the curve takes the hit caps from `trace.max_hit`)."""
+def lru_curve(trace: PreparedTrace, warmup: float = DEFAULT_WARMUP) -> Curve:
+    """The one-pass curve of `lru` (the hit caps come from `trace.max_hit`)."""
     n = trace.n_requests
     last = scratch("curve.last", trace.n_keys, np.int32)
     bit = scratch("curve.bit", trace.keys.size + 1, np.int32)
     offsets, max_hit, input_tokens = i8(trace.offsets), i4(trace.max_hit), i8(trace.input_tokens)
     block_size, n_keys = int(trace.block_size), int(trace.n_keys)
-    depth = _depths(i4(trace.keys), offsets, max_hit, input_tokens, block_size, bool(vllm), n_keys, bit, last)
+    depth = _depths(i4(trace.keys), offsets, max_hit, n_keys, bit, last)
     steady_from = int(n * warmup)
     cumulative = _histograms(depth, offsets, max_hit, input_tokens, block_size, steady_from, n_keys)
     n_blocks = trace.n_blocks
     return Curve(
-        policy="vllm" if vllm else "lru",
+        policy="lru",
         warmup=warmup,
         block_size=trace.block_size,
         n_keys=trace.n_keys,

@@ -35,6 +35,7 @@ class PreparedTrace:
     tenant_names: list[str]
     priority: np.ndarray  # int8[n], retention priority 0-100 (TensorRT-LLM semantics)
     arrival_s: np.ndarray | None = None  # float64[n], seconds since trace start (time-based policy options)
+    output_tokens: np.ndarray | None = None  # int64[n], decode length (the vllm pool holds blocks for it)
     _next_use: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -48,6 +49,13 @@ class PreparedTrace:
     @property
     def n_blocks(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def kv_tokens(self) -> np.ndarray:
+        """int64[n]: tokens whose KV an engine computes for each request, the prompt and every generated token
+        but the last (sampled, never run through the model); the prompt alone when outputs are unknown."""
+        if self.output_tokens is None:
+            return self.input_tokens
+        return self.input_tokens + np.maximum(self.output_tokens, 1) - 1
 
     def next_use(self) -> np.ndarray:
         """int32[m]: index of the next request that references the same key after this reference's request
@@ -129,6 +137,7 @@ def prepare_requests(
         parent=np.empty(0, np.int32),
         input_tokens=input_tokens,
         arrival_s=table.column("arrival_s").to_numpy().astype(np.float64),
+        output_tokens=table.column("output_tokens").to_numpy().astype(np.int64),
         max_hit=max_hit.astype(np.int32),
         tenant=tenant,
         tenant_names=names,

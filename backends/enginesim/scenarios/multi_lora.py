@@ -163,7 +163,7 @@ class MultiLora(Scenario):
 
 def _page_admitter(cache):
     """`admit(row, page)`: take (or touch) a delta page for request `row`, through the policy's own admission."""
-    if all(hasattr(cache, a) for a in ("free", "copies", "refs", "held", "_hash", "_drop")):
+    if hasattr(cache, "hold_key"):
         return _SlotPages(cache).admit  # vLLM's slot pool
     from ...sim.policies._trie import TrieReference
 
@@ -177,36 +177,11 @@ def _page_admitter(cache):
 
 class _SlotPages:
     """Pages in vLLM's slot pool: a cached page's oldest slot is held as a hit block is; a new page takes the
-    head of the free queue (evicting what it held) as a computed block does. The request's page slots are
-    released after its own blocks, when it ends, to the tail of the free queue (they are hashed)."""
+    head of the free queue (evicting what it held) as a computed block does; the request's page slots are
+    released with its own blocks when it ends (they are hashed: to the tail of the free queue)."""
 
     def __init__(self, pool):
-        self.pool, self.held = pool, {}
-        end = pool.end
-
-        def ended(row):
-            end(row)
-            for slot in reversed(self.held.pop(row, [])):
-                pool.refs[slot] -= 1
-                if pool.refs[slot] == 0:
-                    pool.free[slot] = None
-
-        pool.end = ended
+        self.pool = pool
 
     def admit(self, row, page):
-        pool, mine = self.pool, self.held.setdefault(row, [])
-        if page in pool.copies:
-            slot = pool.copies[page][0]
-            if slot in mine:
-                return
-            if pool.refs[slot] == 0:
-                del pool.free[slot]
-            pool.refs[slot] += 1
-        elif pool.free:
-            slot, _ = pool.free.popitem(last=False)
-            pool._drop(slot)
-            pool.refs[slot] = 1
-            pool._hash(slot, page)
-        else:
-            return  # every slot is held: the page is not cached (the adapter recomputes these blocks next time)
-        mine.append(slot)
+        self.pool.hold_key(row, page)  # (none free: the page is not cached, the adapter recomputes next time)

@@ -38,7 +38,7 @@ for sample in ("chat", "multi-tenant"):
                 for field in ("hit_blocks", "evictions", "evict_matrix"):
                     out[f"{sample}/{cap}/{name}/{c}/{field}"] = getattr(res, field)
                 out[f"{sample}/{cap}/{name}/{c}/filled_at"] = np.array(res.filled_at)
-        curve = lru_curve(trace, vllm=cap)
+        curve = lru_curve(trace)
         out[f"{sample}/{cap}/curve/depth"] = curve.depth
         out[f"{sample}/{cap}/curve/cumulative"] = curve.cumulative
         for c in CAPACITIES:

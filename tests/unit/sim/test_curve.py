@@ -27,9 +27,9 @@ LRU_REFERENCE = {
 }
 
 
-def _load(path, vllm=False):
+def _load(path):
     table, meta = read_trace(path)
-    return prepare(table, meta.block_size, vllm_cap=vllm)
+    return prepare(table, meta.block_size)
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +66,6 @@ def test_curve_equals_lru_replays_on_mooncake(mooncake, mooncake_curve):
 def test_curve_equals_lru_replays_on_samples(path):
     trace = _load(path)
     _check_against_kernel(trace, lru_curve(trace), policies.get("lru"))
-
-
-def _vllm():
-    if "vllm" not in policies.registry():
-        pytest.skip("the vllm policy is not registered")
-    return policies.get("vllm")
-
-
-@pytest.mark.parametrize("path", [MOONCAKE, *SAMPLES], ids=lambda p: p.stem)
-def test_vllm_curve_equals_vllm_replays(path):
-    vllm = _vllm()
-    trace = _load(path, vllm=True)
-    _check_against_kernel(trace, lru_curve(trace, vllm=True), vllm)
 
 
 def test_reproduces_the_lru_reference_numbers(mooncake_curve):
@@ -167,10 +154,3 @@ def test_small_random_traces_against_the_references(seed):
     curve = lru_curve(trace)
     for cap in range(1, trace.n_keys + 2):
         np.testing.assert_array_equal(curve.hit_blocks(cap), policies.get("lru").reference(trace, cap).hit_blocks)
-    if "vllm" in policies.registry():
-        capped = np.minimum(trace.n_blocks, (trace.input_tokens - 1) // trace.block_size).astype(np.int32)
-        trace.max_hit = capped
-        curve = lru_curve(trace, vllm=True)
-        for cap in range(1, trace.n_keys + 2):
-            ref = policies.get("vllm").reference(trace, cap).hit_blocks
-            np.testing.assert_array_equal(curve.hit_blocks(cap), ref, err_msg=f"vllm at {cap}")

@@ -59,7 +59,7 @@ def checked_reference(name, trace, capacity, options=None, same_tenant_hits=Fals
 
         def evict(self, key):
             if name == "vllm":
-                assert key not in self.refs, "vllm evicted a block held by a running request"
+                assert all(self.refs[s] == 0 for s in self.copies.get(key, [])), "vllm evicted a held block"
             super().evict(key)
 
         def on_hit(self, key, pos):
@@ -68,11 +68,13 @@ def checked_reference(name, trace, capacity, options=None, same_tenant_hits=Fals
                 assert self.owner[key] == self.trace.tenant[self.request], "a tenant hit another tenant's block"
             super().on_hit(key, pos)
 
-        def after_request(self, keys):
-            super().after_request(keys)
+        def end(self, r):
+            super().end(r)
             assert len(self.owner) <= self.capacity
-            if name == "vllm":
-                assert not self.held and len(self.free) == len(self.owner)
+            if name == "vllm":  # every slot but the null block is free again (or never used), each key has a slot
+                made = len(self.slot_key) - 2
+                assert not self.held and len(self.free) - (self.fresh > 0) == made
+                assert made + self.fresh == self.capacity - 1 and len(self.copies) == len(self.owner)
             elif name == "fifo":
                 assert len(self.queue) == len(self.owner)
             elif name == "lfu":
@@ -125,27 +127,6 @@ def run_both(name, table, capacity, block_size=4, options=None):
     return out
 
 
-def lru_reversed_hits(trace, capacity):
-    """vllm's definition as a stack algorithm, simulated independently: plain LRU where, after the lookup, the
-    request's full blocks are referenced in reverse order (block 0 last), hits capped by max_hit."""
-    stack: OrderedDict[int, None] = OrderedDict()  # least recent first
-    hits = np.zeros(trace.n_requests, np.int32)
-    for r in range(trace.n_requests):
-        keys = trace.keys[trace.offsets[r] : trace.offsets[r + 1]].tolist()
-        h = 0
-        while h < trace.max_hit[r] and keys[h] in stack:
-            h += 1
-        hits[r] = h
-        for key in reversed(keys[: trace.input_tokens[r] // trace.block_size]):
-            if key in stack:
-                stack.move_to_end(key)
-            else:
-                stack[key] = None
-                if len(stack) > capacity:
-                    stack.popitem(last=False)
-    return hits
-
-
 # --- fixtures ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mooncake():
@@ -173,7 +154,7 @@ def test_registered():
     for name, mod in MODULES.items():
         pol = policies.get(name)
         assert pol.kernel is mod.kernel and pol.reference is mod.reference
-        assert pol.stack == (name == "vllm")
+        assert not pol.stack  # (only lru has the one-pass curve)
         assert pol.summary
     assert "small_fraction" in policies.get("s3fifo").options
 
@@ -208,7 +189,10 @@ def test_unbounded_capacity_is_the_infinite_cache(mooncake_traces, samples, name
         assert steady_token_hit_rate(trace, out) == pytest.approx(0.3981, abs=5e-5)
     table, bs = samples["chat"]
     small = prepared(table, bs, name)
-    exact = MODULES[name].kernel(small, small.n_keys)
+    # vllm's pool also holds generated tokens' blocks and duplicates: it never evicts with a slot for every block
+    # any request takes (and the null block)
+    enough = small.n_keys if name != "vllm" else int((-(-small.kv_tokens() // bs)).sum()) + 1
+    exact = MODULES[name].kernel(small, enough)
     assert_same(MODULES[name].kernel(small, 10**9), checked_reference(name, small, 10**9))
     np.testing.assert_array_equal(exact.hit_blocks, MODULES[name].kernel(small, 10**9).hit_blocks)
 
@@ -276,28 +260,17 @@ def test_vllm_hits_capped_below_whole_prompt(samples, mooncake_traces):
     assert lru.kernel(prepare(table, 4), 10).hit_blocks.tolist() == [0, 3]
 
 
-@pytest.mark.parametrize("cap", [1, 5, 64, 1000])
-def test_vllm_is_lru_with_reversed_reference_order(samples, cap):
-    for table, bs in samples.values():
-        trace = prepare(table, bs, vllm_cap=True)
-        np.testing.assert_array_equal(vllm.kernel(trace, cap).hit_blocks, lru_reversed_hits(trace, cap))
-
-
-def test_vllm_is_lru_with_reversed_reference_order_on_mooncake(mooncake_traces):
-    trace = mooncake_traces[True]
-    for cap in (1000, 10000):
-        np.testing.assert_array_equal(vllm.kernel(trace, cap).hit_blocks, lru_reversed_hits(trace, cap))
-
-
 def test_vllm_releases_tail_first():
-    # 4 slots. r0 caches a0..a3 (its partial 5th block is not cached) and releases a3 first, so r1's two
-    # blocks evict a3 and a2; r2 then still hits a0 a1. Forward-order lru loses a0 a1 (and caches partials).
+    # capacity 6 = the null block + 5 slots. r0 (17 tokens: a0..a3 full, a partial 5th block) takes all 5; at
+    # the end its unhashed partial block goes to the head of the free queue and a3, a2, a1, a0 to the tail:
+    # [p, a3, a2, a1, a0]. r1 (b0 b1 + a partial) takes p, a3, a2: 2 evictions; queue [p', a1, a0, b1, b0].
+    # r2 (a again) hits a0 a1 and takes p', b1, b0: 2 evictions. Forward-order lru keeps nothing of a.
     a, b = [10, 11, 12, 13, 14], [20, 21, 22]
     table = table_of([(a, 17), (b, 9), (a, 17)])
-    out = run_both("vllm", table, 4)
+    out = run_both("vllm", table, 6)
     assert out.hit_blocks.tolist() == [0, 0, 2]
     assert out.evictions.tolist() == [0, 2, 2]
-    assert lru.kernel(prepare(table, 4), 4).hit_blocks.tolist() == [0, 0, 0]
+    assert lru.kernel(prepare(table, 4), 5).hit_blocks.tolist() == [0, 0, 0]
 
 
 def test_vllm_does_not_cache_the_partial_last_block():
@@ -308,19 +281,36 @@ def test_vllm_does_not_cache_the_partial_last_block():
     assert lru.kernel(prepare(table, 4), 10).hit_blocks.tolist() == [0, 2, 3]
 
 
+def test_vllm_null_block_generated_tokens_and_duplicates():
+    # capacity 4 = null + 3 slots, 4-token blocks.
+    # r0: prompt k1 k2 (8 tokens), 5 output tokens: KV for 8 + 5 - 1 = 12 tokens = 3 blocks, the third full of
+    #     generated tokens (hashed, never asked for). Released tail-first: queue [g, k2, k1].
+    # r1: k1 k2 again: the hit is capped at (8 - 1) // 4 = 1 block; k2 is computed again into a new slot (g's,
+    #     which evicts no trace block): k2 now has two copies. Queue [k2, k2', k1].
+    # r2: k3 (4 tokens): takes the old copy of k2, which stays cached through k2'. No eviction.
+    # r3: k1 k2 k5: hits k1 k2 (capped at 2), takes k3's slot: 1 eviction.
+    table = table_of([[1, 2], [1, 2], [3], [1, 2, 5]], output_tokens=[5, 1, 1, 1])
+    out = run_both("vllm", table, 4)
+    assert out.hit_blocks.tolist() == [0, 1, 0, 2]
+    assert out.evictions.tolist() == [0, 0, 0, 1]
+    # a capacity of 1 is the null block alone: nothing is cached
+    assert run_both("vllm", table, 1).hit_blocks.tolist() == [0, 0, 0, 0]
+
+
 def test_vllm_pins_the_running_request():
-    # 3 slots. Free queue before r2: a0 (least recent), x1, x0. r2 hits a0, which is pinned: its two new
-    # blocks evict x1 and x0 instead. Afterwards a0 still hits.
-    table = table_of([([1], 5), ([2, 3], 9), ([1, 4, 5], 13), ([1], 5)])
-    out = run_both("vllm", table, 3)
+    # capacity 4 (3 slots), whole-block prompts. r0: k1 → queue [_, _, k1] (the two never-used slots first).
+    # r1: k2 k3 take both unused slots → queue [k1, k3, k2]. r2: k1 k4 k5 hits k1 (pinned: off the queue), its
+    # two new blocks evict k3 and k2, not k1; queue [k5, k4, k1]. r3: k1 k6 hits k1 still, evicts k5.
+    table = table_of([[1], [2, 3], [1, 4, 5], [1, 6]])
+    out = run_both("vllm", table, 4)
     assert out.hit_blocks.tolist() == [0, 0, 1, 1]
-    assert out.evictions.tolist() == [0, 0, 2, 0]
+    assert out.evictions.tolist() == [0, 0, 2, 1]
 
 
 def test_vllm_request_larger_than_the_cache():
-    # 3 slots, 5 full blocks: the first 3 are held and cached, the rest of the request is not.
+    # capacity 4 (3 slots), 5 full blocks: the first 3 are held and cached, the rest of the request is not.
     table = table_of([([1, 2, 3, 4, 5, 6], 21)] * 2)
-    out = run_both("vllm", table, 3)
+    out = run_both("vllm", table, 4)
     assert out.hit_blocks.tolist() == [0, 3]
     # lru (every block in order) ends with the last three cached and hits nothing
     assert lru.kernel(prepare(table, 4), 3).hit_blocks.tolist() == [0, 0]
@@ -402,3 +392,16 @@ def test_s3fifo_frequency_is_capped_at_3():
 
     assert [a_survives(extra, 5) for extra in (0, 2, 3, 10)] == [False, False, True, True]
     assert [a_survives(extra, 6) for extra in (3, 4, 10)] == [False, False, False]
+
+
+def test_vllm_slot_arrays_grow_as_slots_are_made(samples, monkeypatch):
+    """The kernel makes slots as vLLM first hands them out and its caller grows the node arrays, so a capacity of
+    a billion blocks costs nothing; growing from a handful of nodes gives the same answers as one allocation."""
+    table, bs = samples["chat"]
+    trace = prepared(table.slice(0, 300), bs, "vllm")
+    for cap in (7, 300, 10**9):
+        whole = vllm.kernel(trace, cap)
+        monkeypatch.setattr(vllm.VllmBlockPool, "INITIAL_SLOTS", 4)
+        assert_same(vllm.kernel(trace, cap), whole)
+        monkeypatch.undo()
+        assert_same(whole, checked_reference("vllm", trace, cap))
