@@ -1,8 +1,9 @@
 """`kvbench compare RUN RUN…`: runs side by side; latency percentiles with bootstrap confidence intervals and
 the differences from a baseline that exceed noise; and the fidelity gap between a prediction (an offline
 backend) and a measurement (live) of the same trace, for hit rate and, when the offline backend models
-latency, for TTFT. The tables and plots of the page are made from this analysis in `kvbench.cli.compare`,
-for `kvbench compare` and for the index of `kvbench sweep`.
+latency, for TTFT; with one live run and runs that model it (engine-sim or sim, on the same request ids), the
+per-request errors of `kvbench.fidelity` for each modeled point. The tables and plots of the page are made
+from this analysis in `kvbench.cli.compare`, for `kvbench compare` and for the index of `kvbench sweep`.
 
 Two runs are of the same trace when their trace fingerprints match, or when one replayed a re-cut copy
 (`kvbench trace rebase`, which records the fingerprint it came from): a simulator must see the trace at the
@@ -22,8 +23,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import KvbenchError
+from .fidelity import fidelity as error_table
 
 LIVE = "openai"
+MODELS = ("engine-sim", "sim")  # offline backends whose runs can be a model of a live run
 METRICS = ("ttft", "tpot", "itl", "e2el")
 QUANTILES = (50, 90, 99)
 N_BOOT = 1000
@@ -304,6 +307,57 @@ def ttft_fidelity(runs: list[dict], samples: dict) -> list[dict]:
     return out
 
 
+# --- model vs measurement: per-request errors of each modeled point against the one live run ----------
+
+REQUEST_COLUMNS = ["point", "request_id", "status", "workload", "tenant", "output_tokens", "ttft_s", "tpot_s"]
+REQUEST_COLUMNS += ["e2el_s", "actual_send_s", "scheduled_send_s", "cached_tokens", "hit_tokens"]
+
+
+def _read_requests(run_dir: Path) -> pa.Table | str:
+    """The columns of a run's requests.parquet that `kvbench.fidelity` reads, or why they could not be read."""
+    path = Path(run_dir) / "requests.parquet"
+    try:
+        names = set(pq.read_schema(path).names)
+        table = pq.read_table(path, columns=[c for c in REQUEST_COLUMNS if c in names])
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        return f"cannot read {path.name} ({type(exc).__name__})"
+    return table if "request_id" in names else f"{path.name} has no request_id column"
+
+
+def model_vs_measurement(runs: list[dict], skip_first: int = 0) -> list[dict]:
+    """With one live run among `runs`, for each point of each modeled run (MODELS): {modeled: "run:point",
+    backend, measured: live run, table: kvbench.fidelity's errors}, or a one-line `note` in place of the table
+    saying why there is none. [] when there is nothing to pair."""
+    live = [r for r in runs if r["backend"] == LIVE]
+    modeled = [r for r in runs if r["backend"] in MODELS]
+    if not live or not modeled:
+        return []
+    if len(live) > 1:
+        return [{"note": "model vs measurement needs one live run, not " + ", ".join(r["_label"] for r in live)}]
+    measured = live[0]["_label"]
+    live_requests = _read_requests(live[0]["_dir"])
+    if isinstance(live_requests, str):
+        return [{"measured": measured, "note": f"the live run {measured}: {live_requests}"}]
+    live_ids, out = set(pc.unique(live_requests["request_id"]).to_pylist()), []
+    for run in modeled:
+        entry = {"modeled": run["_label"], "backend": run["backend"], "measured": measured}
+        requests = _read_requests(run["_dir"])
+        if isinstance(requests, str) or live_ids.isdisjoint(pc.unique(requests["request_id"]).to_pylist()):
+            why = requests if isinstance(requests, str) else "no request id in common: not a model of that run"
+            out.append({**entry, "note": why})
+            continue
+        # one table per point: a point is one configuration of the model, each replaying every request
+        points = pc.unique(requests["point"]).to_pylist() if "point" in requests.column_names else [None]
+        for point in points:
+            rows = requests if point is None else requests.filter(pc.equal(requests["point"], point))
+            label = run["_label"] if point is None else f"{run['_label']}:{point}"
+            try:
+                out.append({**entry, "modeled": label, "table": error_table(live_requests, rows, skip_first)})
+            except KvbenchError as exc:
+                out.append({**entry, "modeled": label, "note": str(exc)})
+    return out
+
+
 # --- the whole analysis ---------------------------------------------------------------------------
 
 
@@ -311,10 +365,11 @@ def ttft_fidelity(runs: list[dict], samples: dict) -> list[dict]:
 class Comparison:
     runs: list[dict]  # summaries, with _dir and _label (never written out: _dir is a path of this machine)
     samples: dict[tuple[str, str], Samples]  # (run label, point) -> measured latencies
-    result: dict  # JSON-ready tables: runs, latency, differences, fidelity, ttft_fidelity
+    result: dict  # JSON-ready tables: runs, latency, differences, fidelity, ttft_fidelity, model_vs_measurement
 
 
-def analyse(runs: list[dict], progress: Progress | None = None) -> Comparison:
+def analyse(runs: list[dict], progress: Progress | None = None, skip_first: int = 0) -> Comparison:
+    """Every table; `skip_first`: how many of the live run's first requests sent model_vs_measurement skips."""
     _label_uniquely(runs)
     samples: dict[tuple[str, str], Samples] = {}
     total = len(runs) * 2
@@ -331,12 +386,15 @@ def analyse(runs: list[dict], progress: Progress | None = None) -> Comparison:
         "differences": _differences(draws),
         "fidelity": fidelity(runs),
         "ttft_fidelity": ttft_fidelity(runs, samples),
+        "model_vs_measurement": model_vs_measurement(runs, skip_first),
         "bootstrap": {"resamples": N_BOOT, "seed": SEED, "interval": list(CI), "unit": "request"},
     }
     return Comparison(runs, samples, result)
 
 
-def compare(paths: list[Path], progress: Progress | None = None) -> Comparison:
+def compare(paths: list[Path], progress: Progress | None = None, skip_first: int = 0) -> Comparison:
     if len(paths) < 1:
         raise KvbenchError("give at least one run directory")
-    return analyse([load_run(p) for p in paths], progress)
+    if skip_first < 0:
+        raise KvbenchError(f"skip_first must be 0 or more requests, not {skip_first}")
+    return analyse([load_run(p) for p in paths], progress, skip_first)

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..compare import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
+from .fidelity import TITLE as MODEL_TITLE
+from .fidelity import FidelityTable, explanation, html_ready
 from .page import Figure, Links, Section, Table, render_html, render_markdown, svg
 
 NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
@@ -77,6 +79,24 @@ def _latency_sections(result: dict) -> list[Section]:
         rows = [[f"{d['run']}:{d['point']}", NAMES[d["metric"]]] + [_diff_cell(d[h]) for h in heads] for d in diffs]
         out.append(Section("Differences vs baseline", [note, Table(["run:point", "metric", *heads], rows)]))
     return out
+
+
+def _model_sections(result: dict) -> list[Section]:
+    """One section: the explanation once, then per modeled point its error table against the live run, or
+    the one line saying why it could not be compared."""
+    entries = result.get("model_vs_measurement") or []
+    if not entries:
+        return []
+    tables = [e for e in entries if "table" in e]
+    items: list = [explanation(tables[0]["table"]["skipped_first"])] if tables else []
+    for e in entries:
+        if "table" in e:
+            items += [f"{e['modeled']} ({e['backend']}) against {e['measured']}:", FidelityTable.of(e["table"])]
+        elif "modeled" in e:
+            items.append(f"{e['modeled']} not compared with {e['measured']}: {e['note']}")
+        else:
+            items.append(e["note"])
+    return [Section(MODEL_TITLE, items)]
 
 
 def _cdf_figure(cmp: Comparison) -> Figure | None:
@@ -161,6 +181,7 @@ def page_sections(cmp: Comparison, out_dir: Path | None = None, plots: bool = Tr
         sections.append(Section("Fidelity: predicted vs measured hit rate", [_dict_table(result["fidelity"])]))
     if result["ttft_fidelity"]:
         sections.append(Section("Fidelity: modeled vs measured TTFT", [_dict_table(result["ttft_fidelity"])]))
+    sections += _model_sections(result)
     if plots:
         import matplotlib
 
@@ -179,7 +200,7 @@ def page_sections(cmp: Comparison, out_dir: Path | None = None, plots: bool = Tr
 
 def write_page(out_dir: Path, stem: str, title: str, sections: list[Section], data: dict | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.html").write_text(render_html(title, sections))
+    (out_dir / f"{stem}.html").write_text(render_html(title, html_ready(sections)))
     (out_dir / f"{stem}.md").write_text(render_markdown(title, sections).rstrip("\n") + "\n")
     if data is not None:
         (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2))

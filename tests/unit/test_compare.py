@@ -1,6 +1,7 @@
 """`kvbench compare` on recorded run directories (tests/data/runs, see its README): a sim prediction and a
 live vLLM CPU measurement of the same 40 requests; bootstrap intervals, differences beyond noise, and the
-fidelity tables; the pages must name no folder of the machine they were made on."""
+fidelity tables; the model vs measurement table of a modeled copy of the live run, whose errors are set by
+hand; the pages must name no folder of the machine they were made on."""
 
 from __future__ import annotations
 
@@ -134,6 +135,78 @@ def test_modeled_vs_measured_ttft(runs):
         assert row["TTFT p50 modeled ms"] == pytest.approx(row["TTFT p50 measured ms"] + 1.0, abs=1e-6)
     r = invoke("compare", runs / LIVE, modeled)
     assert "Fidelity: modeled vs measured TTFT" in r.stdout
+
+
+def _modeled_copy(runs: Path, name: str, change) -> Path:
+    """The live run turned into an engine-sim run of one point "model" with `change(table) -> table` applied:
+    a model of the live run whose errors are known in advance."""
+
+    def as_model(t):
+        t = _set(t, "point", ["model"] * t.num_rows)
+        return change(t)
+
+    path = _with_requests(runs / LIVE, runs / name, as_model)
+    summary = json.loads((path / "summary.json").read_text())
+    summary["backend"] = "engine-sim"
+    summary["points"][0]["name"] = "model"
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_model_vs_measurement_table(runs):
+    """TTFT 10% long, TPOT 20% short, E2EL 5% long for every request, hits as the server reported them: MAPE
+    10% / 20% / 5%, ratios 1.1 / 0.8 / 1.05, p90 APE 10%, 40 of 40 cached-token counts exact. Off target:
+    the TPOT ratio (outside 0.85–1.15); TTFT MAPE 10% and E2EL MAPE 5% are within theirs."""
+
+    def skew(t):
+        t = _set(t, "ttft_s", pc.multiply(t["ttft_s"], 1.1))
+        t = _set(t, "tpot_s", pc.multiply(t["tpot_s"], 0.8))
+        t = _set(t, "e2el_s", pc.multiply(t["e2el_s"], 1.05))
+        return _set(t, "hit_tokens", t["cached_tokens"])
+
+    modeled = _modeled_copy(runs, "modeled", skew)
+    r = invoke("compare", runs / LIVE, modeled, "--json")
+    assert r.exit_code == 0, r.output
+    (entry,) = json.loads(r.stdout)["model_vs_measurement"]
+    assert entry["modeled"] == "modeled:model" and entry["measured"] == LIVE and entry["backend"] == "engine-sim"
+    e = entry["table"]["overall"]
+    assert e["requests"] == 40 and entry["table"]["skipped_first"] == 0
+    assert e["ttft"]["mape"] == pytest.approx(0.1) and e["ttft"]["median_ratio"] == pytest.approx(1.1)
+    assert e["ttft"]["p90_ape"] == pytest.approx(0.1)
+    assert e["tpot"]["mape"] == pytest.approx(0.2) and e["tpot"]["median_ratio"] == pytest.approx(0.8)
+    assert e["e2el"]["mape"] == pytest.approx(0.05) and e["e2el"]["median_ratio"] == pytest.approx(1.05)
+    assert e["cached_tokens"]["exact"] == 40 and e["cached_tokens"]["requests"] == 40
+    row = "| all | 40 | 10.0% | 1.100 | 10.0% | 20.0% | **0.800** | 5.0% | 1.050 | 40/40 |"
+    r = invoke("compare", runs / LIVE, modeled)  # the terminal
+    assert r.exit_code == 0 and "## Model vs measurement" in r.stdout and row in r.stdout
+    assert "modeled:model (engine-sim) against chat40-live:" in r.stdout
+    assert "22.8% TTFT and 11.8% E2E MAPE over 38 vLLM experiments" in r.stdout
+    r = invoke("compare", runs / LIVE, modeled, "--out", "out", "--skip-first", "5")
+    assert r.exit_code == 0, r.output
+    md, html = Path("out/compare.md").read_text(), Path("out/compare.html").read_text()
+    assert "## Model vs measurement" in md and "| all | 35 | 10.0% |" in md and "first 5 requests sent left out" in md
+    assert "<h2 id='model-vs-measurement'>Model vs measurement</h2>" in html
+    assert html.count("class='off'") == 1 and "<td class='off' style='background:#fbe1dd;font-weight:600' " \
+        "title='off target'>0.800</td>" in html and "**" not in html  # fmt: skip
+    saved = json.loads(Path("out/compare.json").read_text())["model_vs_measurement"]
+    assert saved[0]["table"]["overall"]["requests"] == 35 and saved[0]["table"]["skipped_first"] == 5
+
+
+def test_model_vs_measurement_says_why_runs_do_not_pair(runs):
+    renamed = _modeled_copy(runs, "stranger", lambda t: _set(t, "request_id", [f"x{i}" for i in range(t.num_rows)]))
+    r = invoke("compare", runs / LIVE, renamed)
+    assert r.exit_code == 0 and "Traceback" not in r.output
+    assert "stranger not compared with chat40-live: no request id in common: not a model of that run" in r.stdout
+    # the sim run of the same requests pairs, one table per point (hits only: latency cells empty)
+    cmp = compare([runs / LIVE, runs / SIM, renamed])
+    tables = [e for e in cmp.result["model_vs_measurement"] if "table" in e]
+    assert len(tables) == 9 and all(e["backend"] == "sim" for e in tables)
+    exact = {e["modeled"]: e["table"]["overall"]["cached_tokens"]["exact"] for e in tables}
+    assert exact[f"{SIM}:vllm/100000000"] == 40 and exact[f"{SIM}:vllm/16"] < 40
+    assert all(e["table"]["overall"]["ttft"] == {"requests": 0} for e in tables)
+    twice = _with_requests(runs / LIVE, runs / "live-again", lambda t: t)
+    r = invoke("compare", runs / LIVE, twice, runs / SIM)
+    assert "model vs measurement needs one live run, not chat40-live, live-again" in r.stdout
 
 
 def test_bootstrap_intervals_cover_the_truth():
