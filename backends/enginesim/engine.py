@@ -101,14 +101,14 @@ class Instance:
             load_s = self.latency.transfer_s(self.blocks_for(req.context) * self.kv_bytes_block, self.pcie_bw)
             self.stats["swap_bytes"] += self.blocks_for(req.context) * self.kv_bytes_block
             if req.cached_on == self.index:
-                self.cache.begin(req.row)
+                self._begin(req.row)
             req.swapped = False
         else:
             # the tiers below are searched before the admission writes (through) or evicts anything into them,
             # as an engine looks up its offload store before it allocates: a request never finds below HBM
             # blocks it put there itself
             found = self.tiers.find(req.keys, self.cache.lookup(req.row), req.max_hit) if self.tiers.lower else []
-            hit = self.cache.begin(req.row)
+            hit = self._begin(req.row)
             req.cached_on = self.index
             for sc in self.scenarios:
                 sc.admitted(self, req)
@@ -140,6 +140,13 @@ class Instance:
     def _fits(self, req: Req) -> bool:
         need = self.blocks_for((req.context if req.swapped else 0) + req.n_in + req.generated + 1)
         return self.used + need <= self.pool
+
+    def _begin(self, row: int) -> int:
+        """Look request `row` up in the prefix cache and hold its hit; a pool that takes blocks step by step
+        (vLLM's, with `grow`) takes the prompt's as its chunks are scheduled, not all at once."""
+        if hasattr(self.cache, "grow"):
+            return self.cache.begin(row, prompt_slots=False)
+        return self.cache.begin(row)
 
     # --- preemption ---------------------------------------------------------------------------------------
     def _preempt(self, now: float) -> float:
@@ -216,6 +223,14 @@ class Instance:
                 mid = [r.context + (steps - 1) / 2 for r in decoding]  # KV grows linearly over the window
                 extra = sum(sc.step_extra_s(self, [], mid) for sc in self.scenarios)
                 step = (self.latency.step_s([], mid) + extra) * steps
+        grow = getattr(self.cache, "grow", None)
+        if grow is not None:  # a pool that takes blocks as a sequence's KV grows (vLLM's) takes this step's now
+            for r, take in pieces:
+                if r.cached_on == self.index:
+                    grow(r.row, r.context + take)
+            for r in decoding:
+                if r.cached_on == self.index:
+                    grow(r.row, r.context + steps)
         self.stats["steps"] += steps
         return step + extra_s, pieces, decoding, steps
 

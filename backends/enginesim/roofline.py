@@ -5,7 +5,9 @@ A step multiplies every token it processes (the new tokens of prefill chunks, on
 weights and attends over each sequence's cached context. It takes the larger of two bounds, compute (FLOPs over
 the achieved FLOP/s, `mfu` of the datasheet peak) and memory (bytes through HBM over the achieved bandwidth, `mbu`
 of the peak), plus the tensor-parallel all-reduces, which a plain TP engine runs between the layers' matmuls and
-so does not hide behind either. A `Calibration` measured on a real engine replaces the roofline's terms.
+so does not hide behind either. A `Calibration` measured on a real engine (`kvbench calibrate`) replaces the
+roofline with a sum of measured terms: a fixed cost per step and per request, costs per sequence, per token, per
+attention pair and per KV token read (docs/fidelity.md).
 
 Units: seconds, bytes, tokens; FLOP and FLOP/s for compute.
 """
@@ -22,45 +24,76 @@ from kvbench.hardware import Hardware
 ACT_BYTES = 2  # activations travel as bf16 whatever the weight and KV formats: the all-reduce payload per value
 
 
+# Keys of calibration files written before the step model had its own terms, and what each one becomes: a prefill
+# rate is a cost per token, the decode line's intercept the fixed cost of a step, its slope the cost per KV token.
+LEGACY_KEYS = {
+    "prefill_tokens_per_s": ("s_per_token", lambda rate: 1.0 / rate),
+    "decode_step_base_s": ("step_overhead_s", float),
+    "decode_s_per_kv_token": ("s_per_kv_token", float),
+}
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """Measured step-time terms; each one set replaces the roofline term it names (None keeps the roofline's).
+    """A step-time model measured on a real engine (`kvbench calibrate`); with one, a step costs the *sum* of its
+    terms instead of the roofline's max(compute, memory): on the engines calibrated here (a CPU, or a small model
+    on any device) nothing in a step overlaps enough for a max to hold. Every term is in seconds and ≥ 0:
 
-    prefill_tokens_per_s: tokens per second the engine pushes through the model when compute-bound (a long
-        prefill's tokens over its time). Replaces the compute bound, for every token a step processes.
-    decode_step_base_s: seconds of a step that do not grow with its KV (weight reads, kernel launches, the
-        engine's own scheduling). Replaces the weight-read term of the memory bound.
-    decode_s_per_kv_token: seconds per cached KV token a step reads. Replaces the KV term of the memory bound.
-
-    A straight-line fit of measured decode step times against the batch's KV tokens gives the last two
-    (intercept, slope).
+    request_overhead_s: once per request, outside the engine's step loop (HTTP, tokenising, the hand-off to the
+        engine core, streaming the first token back): the request reaches the scheduler this much after it is sent.
+    step_overhead_s: once per iteration (scheduling, input preparation, sampling set-up, kernel launches).
+    s_per_seq: per sequence in the iteration (its sampling and output processing).
+    s_per_token: per token the iteration runs through the model (new prefill tokens, one per decode).
+    s_per_pair: per attention (query, key) pair: a prefill of N new tokens after P cached ones computes
+        N·P + N(N+1)/2 of them, a decode of a sequence holding P tokens P + 1. What makes long prefills superlinear.
+    s_per_kv_token: per cached KV token the iteration reads (the memory side of attention).
     """
 
-    prefill_tokens_per_s: float | None = None
-    decode_step_base_s: float | None = None
-    decode_s_per_kv_token: float | None = None
+    request_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    s_per_seq: float = 0.0
+    s_per_token: float = 0.0
+    s_per_pair: float = 0.0
+    s_per_kv_token: float = 0.0
 
     def __post_init__(self):
-        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
-            raise KvbenchError(f"calibration: prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s!r}")
-        for key in ("decode_step_base_s", "decode_s_per_kv_token"):
-            value = getattr(self, key)
-            if value is not None and not value >= 0:
-                raise KvbenchError(f"calibration: {key} must be ≥ 0, got {value!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, int | float) and value >= 0 and value < float("inf")):
+                raise KvbenchError(f"calibration: {f.name} must be a finite number ≥ 0, got {value!r}")
 
     @classmethod
     def from_mapping(cls, data: dict, source: str) -> Calibration:
-        """A calibration from a parsed file's table; `source` names the file in errors."""
+        """A calibration from a parsed file's table (older files' keys are translated); `source` names the file."""
         known = [f.name for f in fields(cls)]
+        values = {}
         for key, value in data.items():
-            if key not in known:
+            if key not in known and key not in LEGACY_KEYS:
                 raise KvbenchError(f"{source}: unknown calibration key {key!r}; known keys: {', '.join(known)}")
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise KvbenchError(f"{source}: calibration {key} must be a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or (key in LEGACY_KEYS and value < 0):
+                raise KvbenchError(f"{source}: calibration {key} must be a number ≥ 0, got {value!r}")
+            if key in LEGACY_KEYS:
+                name, convert = LEGACY_KEYS[key]
+                if value == 0 and key == "prefill_tokens_per_s":
+                    raise KvbenchError(f"{source}: calibration prefill_tokens_per_s must be > 0")
+                values[name] = convert(value)
+            else:
+                values[key] = float(value)
         try:
-            return cls(**{k: float(v) for k, v in data.items()})
+            return cls(**values)
         except KvbenchError as e:
             raise KvbenchError(f"{source}: {e}") from None
+
+    def step_s(self, seqs: int, tokens: int, pairs: float, kv_read: float) -> float:
+        if tokens == 0:
+            return 0.0
+        return (
+            self.step_overhead_s
+            + self.s_per_seq * seqs
+            + self.s_per_token * tokens
+            + self.s_per_pair * pairs
+            + self.s_per_kv_token * kv_read
+        )
 
 
 class StepCost(NamedTuple):
@@ -158,18 +191,19 @@ class LatencyModel:
         """The bounds of one iteration that runs the chunked-prefill pieces `prefills`, each (new tokens, tokens
         of context already cached before them), and one decode token for each sequence of `decode_contexts`
         (its cached tokens before this step)."""
-        tokens = pairs = kv_read = kv_written = 0
+        tokens = pairs = kv_read = kv_written = seqs = 0
         for new, context in prefills:
             if new < 0 or context < 0:
                 raise ValueError(f"prefill piece ({new}, {context}): token counts must be ≥ 0")
             if new:
+                seqs += 1
                 tokens += new
                 # causal: new token i attends the context and the new tokens up to itself
                 pairs += new * context + new * (new + 1) / 2
                 kv_read += context
                 kv_written += new
         n, context = len(decode_contexts), sum(decode_contexts)
-        return self._cost(tokens + n, pairs + context + n, kv_read + context, kv_written + n)
+        return self._cost(tokens + n, pairs + context + n, kv_read + context, kv_written + n, seqs + n)
 
     def step_s(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> float:
         """Seconds of one iteration; arguments as in `step_cost`."""
@@ -184,7 +218,7 @@ class LatencyModel:
         if batch_size < 0 or batch_kv_tokens < 0:
             raise ValueError(f"decode step ({batch_size}, {batch_kv_tokens}): counts must be ≥ 0")
         n = batch_size
-        return self._cost(n, batch_kv_tokens + n, batch_kv_tokens, n).total
+        return self._cost(n, batch_kv_tokens + n, batch_kv_tokens, n, n).total
 
     @staticmethod
     def transfer_s(n_bytes: float, bandwidth: float) -> float:
@@ -193,28 +227,25 @@ class LatencyModel:
             raise ValueError(f"transfer of {n_bytes} bytes at {bandwidth} bytes/s: need bytes ≥ 0, bandwidth > 0")
         return n_bytes / bandwidth
 
-    def _cost(self, tokens: int, pairs: float, kv_read: int, kv_written: int) -> StepCost:
+    @property
+    def request_overhead_s(self) -> float:
+        """Seconds between a request's send and its arrival at the scheduler (0 for the roofline)."""
+        return self.calibration.request_overhead_s if self.calibration else 0.0
+
+    def _cost(self, tokens: int, pairs: float, kv_read: int, kv_written: int, seqs: int) -> StepCost:
         # tokens: multiplied through the weights; pairs: (query, key) products of attention; kv_read / kv_written:
-        # cached tokens a step's attention reads and new tokens whose K and V it stores.
+        # cached tokens a step's attention reads and new tokens whose K and V it stores; seqs: sequences in the step.
         if tokens == 0:
             return StepCost(0.0, 0.0, 0.0)
-        cal = self.calibration or _NO_CALIBRATION
-        if cal.prefill_tokens_per_s:
-            compute = tokens / cal.prefill_tokens_per_s
-        else:
-            compute = (
-                tokens * self._linear_flops_per_token / self._linear_flops_s
-                + pairs * self._attn_flops_per_pair / self._attn_flops_s
-            )
-        if cal.decode_step_base_s is not None:
-            weights = cal.decode_step_base_s
-        else:
-            weights = self._weights_read(tokens) / self._bytes_s
-        if cal.decode_s_per_kv_token is not None:
-            kv = kv_read * cal.decode_s_per_kv_token
-        else:
-            kv = (kv_read + kv_written) * (self._kv_bytes / self._kv_shards) / self._bytes_s
         comm = tokens * self._comm_bytes_per_token / self.hw.peer_bw if self.tp > 1 else 0.0
+        if self.calibration is not None:  # measured terms, summed (the class says why)
+            return StepCost(self.calibration.step_s(seqs, tokens, pairs, kv_read), 0.0, comm)
+        compute = (
+            tokens * self._linear_flops_per_token / self._linear_flops_s
+            + pairs * self._attn_flops_per_pair / self._attn_flops_s
+        )
+        weights = self._weights_read(tokens) / self._bytes_s
+        kv = (kv_read + kv_written) * (self._kv_bytes / self._kv_shards) / self._bytes_s
         return StepCost(compute, weights + kv, comm)
 
     def _weights_read(self, tokens: int) -> float:
@@ -225,5 +256,3 @@ class LatencyModel:
         touched = 1.0 if share >= 1.0 else 1.0 - (1.0 - share) ** tokens
         return self._weight_bytes * touched / self.tp
 
-
-_NO_CALIBRATION = Calibration()

@@ -44,6 +44,7 @@ from .calibrate import calibrate  # noqa: E402
 from .compare import compare  # noqa: E402
 from .demo import demo  # noqa: E402
 from .engine import engine  # noqa: E402
+from .fidelity import fidelity  # noqa: E402
 from .replay import replay  # noqa: E402
 from .report import report  # noqa: E402
 from .sweep import sweep  # noqa: E402
@@ -58,3 +59,4 @@ main.add_command(sweep)
 main.add_command(report)
 main.add_command(demo)
 main.add_command(calibrate)
+main.add_command(fidelity)

@@ -60,8 +60,9 @@ class VllmPool(PrefixCache):
     def contains(self, key: int) -> bool:
         return key in self.copies
 
-    def begin(self, r: int) -> int:
-        """Request r is scheduled: hold its hit prefix and take slots for its whole prompt."""
+    def begin(self, r: int, prompt_slots: bool = True) -> int:
+        """Request r is scheduled: hold its hit prefix and take slots for its whole prompt (or, without
+        `prompt_slots`, leave that to `grow` as its chunks are scheduled)."""
         self.request = r
         t = self.trace
         keys = t.keys[t.offsets[r] : t.offsets[r + 1]].tolist()
@@ -78,7 +79,7 @@ class VllmPool(PrefixCache):
                 del self.free[slot]
             self.refs[slot] += 1
             mine.append(slot)
-        self.grow(r, int(t.input_tokens[r]))
+        self.grow(r, int(t.input_tokens[r]) if prompt_slots else 0)
         return hit
 
     def grow(self, r: int, tokens: int) -> None:

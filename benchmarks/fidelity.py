@@ -1,0 +1,155 @@
+"""Fidelity of engine-sim against the vLLM CPU engine: `kvbench fidelity` over chat, agent and multi-tenant traces
+(generated with seeds no test uses) at concurrency 1, 4 and 16, in alternating rounds; each round calibrates the
+engine afresh. Targets (docs/fidelity.md): TTFT MAPE ≤ 20%, E2EL MAPE ≤ 10%, mean modeled/measured TTFT and TPOT
+within 0.85–1.15, and cached-token exactness (100% at concurrency 1 from the sim policy; engine-sim ≥ 99% at 4
+and 16). With `--small-pool-url` (an engine started with `--num-gpu-blocks-override`, so that it evicts), the
+same replays there check the cache prediction under eviction.
+
+    python benchmarks/fidelity.py [--rounds 3] [--requests 60] [--concurrency 1,4,16] [--url URL]
+        [--small-pool-url URL] [--keep DIR]
+
+Prints a table of medians over the rounds and writes benchmarks/results/fidelity.json (every round's numbers,
+the commands and the machine's load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "fidelity.json"
+# Traces that fit the tiny engine's 8,192-token context, with seeds no test uses.
+TRACES = {
+    "chat": ["chat", "-n", "400", "--seed", "9101", "--system-tokens-mean", "600", "--user-tokens-mean", "150",
+             "--output-tokens-mean", "60"],
+    "agent": ["agent", "-n", "400", "--seed", "9102", "--system-tokens-mean", "1500", "--task-tokens-mean", "400",
+              "--tool-tokens-mean", "200", "--output-tokens-mean", "80", "--max-context-tokens", "7000",
+              "--summary-tokens", "1000"],
+    "multi-tenant": ["multi-tenant", "-n", "400", "--seed", "9103"],
+}  # fmt: skip
+TARGETS = {"ttft_mape": 0.20, "e2el_mape": 0.10, "ratio": (0.85, 1.15)}
+
+
+def kvbench(*args, capture=True) -> str:
+    cmd = ["kvbench", *map(str, args)]
+    print("$", shlex.join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=capture, text=True)
+    if proc.returncode:
+        sys.exit(f"failed ({proc.returncode}): {shlex.join(cmd)}\n{(proc.stderr or '')[-2000:]}")
+    return proc.stdout if capture else ""
+
+
+def generate(work: Path) -> dict[str, Path]:
+    paths = {}
+    for name, args in TRACES.items():
+        path = work / f"{name}.parquet"
+        kvbench("trace", "gen", *args, "-o", path)
+        paths[name] = path
+    return paths
+
+
+def one(trace: Path, url: str, calib: Path, conc: int, n: int, out: Path) -> dict:
+    kvbench("fidelity", trace, "--url", url, "--calibration", calib, "--concurrency", conc, "--requests", n,
+            "--out", out)  # fmt: skip
+    overall = json.loads((out / "summary.json").read_text())["fidelity"]["overall"]
+    return {
+        "ttft_mape": overall["ttft"]["mape"],
+        "ttft_mean_ratio": overall["ttft"]["mean_ratio"],
+        "ttft_p90_ape": overall["ttft"]["p90_ape"],
+        "tpot_mape": overall["tpot"].get("mape"),
+        "tpot_mean_ratio": overall["tpot"].get("mean_ratio"),
+        "e2el_mape": overall["e2el"]["mape"],
+        "e2el_mean_ratio": overall["e2el"]["mean_ratio"],
+        "cached_exact": overall["cached_tokens"]["exact_share"],
+        "requests": overall["requests"],
+        "load_avg": os.getloadavg()[0],
+    }
+
+
+def median(rounds: list[dict], key: str):
+    values = [r[key] for r in rounds if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def met(m: dict) -> bool:
+    lo, hi = TARGETS["ratio"]
+    return (
+        m["ttft_mape"] <= TARGETS["ttft_mape"]
+        and m["e2el_mape"] <= TARGETS["e2el_mape"]
+        and lo <= m["ttft_mean_ratio"] <= hi
+        and (m["tpot_mean_ratio"] is None or lo <= m["tpot_mean_ratio"] <= hi)
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--url", default=None, help="engine URL [default: the running vllm-cpu engine]")
+    ap.add_argument("--small-pool-url", default=None, help="a second engine with a forced small KV pool")
+    ap.add_argument("--keep", type=Path, help="keep the run directories here")
+    args = ap.parse_args()
+    url = args.url
+    if url is None:
+        from kvbench import engines
+
+        info = engines.running("vllm-cpu")
+        if info is None:
+            sys.exit("no vllm-cpu engine runs: start one with `kvbench engine up vllm-cpu` or give --url")
+        url = info.url
+    concs = [int(c) for c in args.concurrency.split(",")]
+    work = args.keep or Path(tempfile.mkdtemp(prefix="kvbench-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    traces = generate(work)
+    runs: dict[str, list[dict]] = {}
+    small: dict[str, list[dict]] = {}
+    t0 = time.time()
+    for rnd in range(args.rounds):
+        calib = work / f"calibration-{rnd}.toml"
+        kvbench("calibrate", "--url", url, "-o", calib, "--force")
+        names = list(traces)
+        names = names[rnd % len(names) :] + names[: rnd % len(names)]  # alternate the order between rounds
+        for conc in concs if rnd % 2 == 0 else list(reversed(concs)):
+            for name in names:
+                key = f"{name}@{conc}"
+                runs.setdefault(key, []).append(
+                    one(traces[name], url, calib, conc, args.requests, work / f"r{rnd}-{name}-c{conc}")
+                )
+                if args.small_pool_url:
+                    out = work / f"r{rnd}-{name}-c{conc}-small"
+                    small.setdefault(key, []).append(one(traces[name], args.small_pool_url, calib, conc,
+                                                         args.requests, out))  # fmt: skip
+    medians = {k: {key: median(v, key) for key in v[0]} for k, v in runs.items()}
+    for m in medians.values():
+        m["targets_met"] = met(m)
+    small_exact = {k: {"cached_exact_median": median(v, "cached_exact"),
+                       "cached_exact_min": min(r["cached_exact"] for r in v)} for k, v in small.items()}  # fmt: skip
+    print(f"\n{'trace@conc':22} {'TTFT MAPE':>9} {'TTFT ratio':>10} {'TPOT ratio':>10} {'E2EL MAPE':>9} {'exact':>6}")
+    for k, m in medians.items():
+        tpot = f"{m['tpot_mean_ratio']:.3f}" if m["tpot_mean_ratio"] is not None else "–"
+        print(f"{k:22} {m['ttft_mape']:9.1%} {m['ttft_mean_ratio']:10.3f} {tpot:>10} {m['e2el_mape']:9.1%} "
+              f"{m['cached_exact']:6.1%}{'' if m['targets_met'] else '  (targets NOT met)'}")  # fmt: skip
+    for k, m in small_exact.items():
+        print(f"small pool {k:16} cached exact: median {m['cached_exact_median']:.1%}, min {m['cached_exact_min']:.1%}")
+    RESULTS.write_text(json.dumps({
+        "command": "python benchmarks/fidelity.py " + shlex.join(sys.argv[1:]),
+        "engine": url.split("://")[-1],
+        "rounds": args.rounds, "requests": args.requests, "concurrency": concs,
+        "targets": TARGETS, "traces": TRACES, "seconds": round(time.time() - t0),
+        "medians": medians, "small_pool": small_exact, "per_round": runs, "per_round_small_pool": small,
+    }, indent=1))  # fmt: skip
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""`kvbench fidelity`: the calibration triangle in one command (docs/fidelity.md). Calibrate the endpoint (unless
+given a calibration file), replay a trace against it live, replay the same requests through engine-sim with the
+live run's send times and output lengths, its scheduler limits and KV pool, and report how far the model is from
+the measurement request by request: TTFT, TPOT, E2EL errors and cached-token exactness."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import json
+import secrets
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..errors import KvbenchError
+from .render import console
+
+WORKLOADS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
+
+
+def _kvbench(*args) -> None:
+    """Run a kvbench subcommand in its own process (its progress goes to the terminal); fail with its message."""
+    cmd = [sys.executable, "-c", "import sys; from kvbench.cli import main; sys.exit(main())", *map(str, args)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise KvbenchError(f"`kvbench {shlex.join(map(str, args))}` failed: {' '.join(tail)}")
+
+
+async def _server(url: str, model: str | None) -> dict:
+    import aiohttp
+
+    from ..calibrate.endpoint import model_info, server_facts
+
+    async with aiohttp.ClientSession() as session:
+        name, max_len = await model_info(session, url, model)
+        return {"model": name, "max_model_len": max_len, **await server_facts(session, url)}
+
+
+def _prepare_trace(src: Path, out: Path, n: int, max_out: int, max_len: int | None, block_size: int) -> dict:
+    """The first `n` requests of `src` that fit the engine's context, outputs capped at `max_out`, re-cut to the
+    engine's block size: the one file both replays read."""
+    table = pq.read_table(src)
+    meta = table.schema.metadata
+    outputs = pc.max_element_wise(pc.min_element_wise(table["output_tokens"], max_out), 1)
+    table = table.set_column(table.schema.get_field_index("output_tokens"), "output_tokens", outputs.cast(pa.int32()))
+    fits = np.ones(table.num_rows, bool)
+    if max_len:
+        fits = (table["input_tokens"].to_numpy() + outputs.to_numpy()) <= max_len
+    kept = table.filter(pa.array(fits)).slice(0, n).replace_schema_metadata(meta)
+    if not kept.num_rows:
+        raise KvbenchError(f"{src}: no request fits the engine's {max_len}-token context with its output")
+    capped = out / "trace-capped.parquet"
+    pq.write_table(kept, capped)
+    _kvbench("trace", "rebase", capped, "--block-size", block_size, "-o", out / "trace.parquet")
+    capped.unlink()
+    return {"source": str(src), "requests": kept.num_rows, "left_out_too_long": int((~fits).sum())}
+
+
+def _modeled_trace(trace: Path, live_requests: Path, out: Path) -> int:
+    """The trace's requests that the live run answered, arriving when the live run sent them."""
+    live = pq.read_table(live_requests).filter(pc.equal(pq.read_table(live_requests)["status"], "ok"))
+    sent = dict(zip(live["request_id"].to_pylist(), live["actual_send_s"].to_pylist(), strict=True))
+    table = pq.read_table(trace)
+    meta = table.schema.metadata
+    keep = [i for i, rid in enumerate(table["request_id"].to_pylist()) if rid in sent]
+    table = table.take(pa.array(keep, pa.int64()))
+    times = np.array([sent[rid] for rid in table["request_id"].to_pylist()], dtype=np.float64)
+    order = np.argsort(times, kind="stable")
+    table = table.take(pa.array(order))
+    arrival = times[order] - (times.min() if times.size else 0.0)
+    table = table.set_column(table.schema.get_field_index("arrival_s"), "arrival_s", pa.array(arrival))
+    for col in ("depends_on", "parent_id", "think_time_s"):  # the live send times already honour them
+        if col in table.column_names:
+            table = table.drop_columns([col])
+    pq.write_table(table.replace_schema_metadata(meta), out)
+    return table.num_rows
+
+
+@click.command()
+@click.argument("trace_path", metavar="[TRACE]", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--url", envvar="KVBENCH_URL", required=True, help="engine base URL, e.g. http://127.0.0.1:8011")
+@click.option("--model", help="model name to request [default: the first of GET /v1/models]")
+@click.option("--api-key-env", default="OPENAI_API_KEY", show_default=True, help="environment variable with the key")
+@click.option(
+    "--workload",
+    type=click.Choice(WORKLOADS),
+    default="chat",
+    show_default=True,
+    help="without TRACE: generate a trace of this kind (`kvbench trace gen`)",
+)
+@click.option("--seed", type=int, help="without TRACE: generator seed [default: a fresh one, recorded]")
+@click.option("--requests", "n_requests", type=click.IntRange(min=2), default=60, show_default=True,
+              help="requests replayed (the first that fit the engine's context)")  # fmt: skip
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="requests in flight at most; each is sent as soon as a slot frees")  # fmt: skip
+@click.option("--max-output-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="output tokens per request at most (exact: ignore_eos)")  # fmt: skip
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False),
+              help="a `kvbench calibrate` file to use [default: calibrate the endpoint first]")  # fmt: skip
+@click.option("--calibrate-repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="repeats of every calibration point (when calibrating)")  # fmt: skip
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True,
+              help="the engine's sequences per step (vLLM's CPU default is 128)")  # fmt: skip
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="the engine's tokens per step (vLLM's CPU default is 2048)")  # fmt: skip
+@click.option("--hbm-capacity", help="the engine's KV pool in blocks [default: num_gpu_blocks from its /metrics]")
+@click.option("--sim-model", default="kvbench-tiny", show_default=True,
+              help="engine-sim model geometry (a preset of kvbench.capacity, or from --specs)")  # fmt: skip
+@click.option("--hardware", default="cpu", show_default=True, help="engine-sim hardware preset")
+@click.option("--skip-first", type=click.IntRange(min=0), default=2, show_default=True,
+              help="requests (the first sent) left out of the error: an engine's first requests pay one-off costs")  # fmt: skip
+@click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<time>-fidelity-<trace>]")
+def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, concurrency, max_output_tokens,
+             calibration, calibrate_repeats, max_num_seqs, max_num_batched_tokens, hbm_capacity, sim_model, hardware,
+             skip_first, out):  # fmt: skip
+    """How far engine-sim is from a live engine on the same requests: calibrate, replay live, replay modeled
+    (the live send times, output lengths, scheduler limits and KV pool), and report per-request TTFT / TPOT /
+    E2EL errors (MAPE, median ratio, p90) and cached-token exactness, overall, by workload and by tenant."""
+    from .. import fidelity as F
+    from ..calibrate.endpoint import host_port, shown
+    from ..runner import run_replay
+
+    url = url.rstrip("/")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
+    name = Path(trace_path).stem if trace_path else workload
+    run_dir = Path(out) if out else Path("reports") / f"{stamp}-fidelity-{name}-{secrets.token_hex(2)}"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise KvbenchError(f"{run_dir} already holds a run; give a new --out (nothing was overwritten)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        server = asyncio.run(_server(url, model))
+    except OSError as exc:
+        raise KvbenchError(f"cannot reach {shown(url)} ({exc}); is the engine up? (`kvbench engine status`)") from None
+    block_size = server.get("block_size")
+    if not block_size:
+        raise KvbenchError(f"{shown(url)} does not say its KV block size in /metrics (vLLM's cache_config_info)")
+    capacity = hbm_capacity or server.get("num_gpu_blocks")
+    if not capacity:
+        raise KvbenchError("give the engine's KV pool with --hbm-capacity BLOCKS (its /metrics does not say it)")
+    summary = {"command": "kvbench fidelity " + shlex.join(sys.argv[2:]), "created": stamp,
+               "endpoint": host_port(url), "server": server, "complete": False}  # fmt: skip
+    if not trace_path:
+        seed = seed if seed is not None else secrets.randbits(31)
+        trace_path = run_dir / f"generated-{workload}.parquet"
+        console.print(f"generating a {workload} trace (seed {seed})")
+        _kvbench("trace", "gen", workload, "-n", max(4 * n_requests, 200), "--seed", seed, "-o", trace_path)
+        summary["generated"] = {"workload": workload, "seed": seed}
+    summary["trace"] = _prepare_trace(Path(trace_path), run_dir, n_requests, max_output_tokens,
+                                      server.get("max_model_len"), block_size)  # fmt: skip
+    trace = run_dir / "trace.parquet"
+    if calibration is None:
+        calibration = run_dir / "calibration.toml"
+        console.print(f"calibrating {shown(url)} (kvbench calibrate)")
+        _kvbench("calibrate", "--url", url, "-o", calibration, "--repeats", calibrate_repeats,
+                 "--api-key-env", api_key_env, "--max-num-batched-tokens", max_num_batched_tokens)  # fmt: skip
+    summary["calibration"] = str(calibration)
+    console.print(f"live: {summary['trace']['requests']} requests at concurrency {concurrency}")
+    live_opts = {"url": url, "model": model, "api_key_env": api_key_env, "mode": "rate", "rate": 1e6,
+                 "max_concurrency": concurrency, "reset_prefix_cache": True, "send_lora": False}  # fmt: skip
+    live_dir, _ = run_replay(trace, "openai", live_opts, out=run_dir / "live")
+    modeled_trace = run_dir / "trace-modeled.parquet"
+    _modeled_trace(trace, live_dir / "requests.parquet", modeled_trace)
+    sim_opts = {"policy": "vllm", "hardware": hardware, "model": sim_model, "hbm_capacity": str(capacity),
+                "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                "calibration": str(calibration), "share_lora_kv": True}  # fmt: skip
+    model_dir, _ = run_replay(modeled_trace, "engine-sim", sim_opts, out=run_dir / "modeled")
+    table = F.fidelity(pq.read_table(live_dir / "requests.parquet"), pq.read_table(model_dir / "requests.parquet"),
+                       skip=skip_first)  # fmt: skip
+    summary.update({"live": "live", "modeled": "modeled", "fidelity": table, "complete": True,
+                    "settings": {"concurrency": concurrency, "max_output_tokens": max_output_tokens,
+                                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                                 "hbm_capacity_blocks": int(capacity), "sim_model": sim_model, "hardware": hardware}})  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    _write_reports(run_dir, summary)
+    _print(table)
+    console.print(f"run: {run_dir}")
+
+
+def _write_reports(run_dir: Path, summary: dict) -> None:
+    from ..report.fidelity import TITLE, FidelityTable, explanation, html_ready
+    from ..report.page import Links, Section, Table, render_html, render_markdown
+
+    settings = [[k, str(v)] for k, v in summary["settings"].items()]
+    settings += [["endpoint", summary["endpoint"]], ["calibration", summary["calibration"]],
+                 ["trace", summary["trace"]["source"]], ["requests", str(summary["trace"]["requests"])]]  # fmt: skip
+    sections = [
+        Section(TITLE, [explanation(summary["fidelity"]["skipped_first"]), FidelityTable.of(summary["fidelity"])]),
+        Section("Settings", [f"`{summary['command']}`", Table(["setting", "value"], settings)]),
+        Section("Runs", [Links([("live run", "live/report.html"), ("modeled run", "modeled/report.html")])]),
+    ]
+    title = f"kvbench fidelity: engine-sim vs {summary['endpoint']}"
+    (run_dir / "report.html").write_text(render_html(title, html_ready(sections)))
+    (run_dir / "report.md").write_text(render_markdown(title, sections).rstrip("\n") + "\n")
+
+
+def _print(table: dict) -> None:
+    from ..report.fidelity import fidelity_markdown
+
+    click.echo(fidelity_markdown(table))
