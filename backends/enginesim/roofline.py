@@ -85,6 +85,10 @@ class Calibration:
             raise KvbenchError(f"{source}: {e}") from None
 
     def step_s(self, seqs: int, tokens: int, pairs: float, kv_read: float) -> float:
+        """Seconds of one iteration of `seqs` sequences running `tokens` tokens through the model, computing
+        `pairs` attention pairs and reading `kv_read` cached KV tokens (the request overhead is not a step's; it is
+        `request_overhead_s`, paid before the scheduler). `kvbench calibrate` fits the terms to this sum: its rows
+        are kvbench/calibrate/design.py. A step with no tokens costs nothing."""
         if tokens == 0:
             return 0.0
         return (

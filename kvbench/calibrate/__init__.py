@@ -1,48 +1,47 @@
-"""`kvbench calibrate`: measure a live OpenAI-compatible endpoint's prefill and decode timing, fit the step-time
-terms of the engine simulator's latency model (`backends/enginesim/roofline.py`, `Calibration`) and write them to
-a TOML file that `kvbench replay … --backend engine-sim --calibration FILE` reads.
+"""`kvbench calibrate`: measure a live OpenAI-compatible endpoint's prefill and decode timing, fit the six terms of
+the engine simulator's step-time model (`backends/enginesim/roofline.py`, `Calibration`) and write them to a TOML
+file that `kvbench replay … --backend engine-sim --calibration FILE` reads.
 
 What is measured (every prompt is token ids drawn at random below the vocabulary, a new draw for every request, so
-nothing is served from the prefix cache unless a point asks for it):
+nothing is served from the prefix cache unless a point asks for it); every point `repeats` times, each repeat's
+points in a seeded random order, the medians fitted:
 
 - prefill: the TTFT of single requests (max_tokens=1, nothing else in flight) at several prompt lengths, and of
   prompts whose first tokens were cached by the request just before (a cached context, as in chat turns and agent
-  calls, where new tokens attend to a long cached prefix);
+  calls). TTFT = the request's overhead + the prefill's steps: a prompt longer than the server's step budget
+  (--max-num-batched-tokens) is prefilled in chunks, one step each;
 - decode: B concurrent requests (ignore_eos, a fixed number of output tokens) of several prompt lengths; once all
   B have their first token and until the first one ends, every engine step decodes one token of each, so the
-  streamed inter-token time is the decode step time of a batch of B holding the batch's KV tokens.
+  streamed inter-token time is the step time of a batch of B holding the batch's KV tokens.
 
-The fits (least squares of the relative error, so that short prompts and small batches weigh as much as long ones):
+The fit (`design`, `fitting`): one non-negative least squares of the relative error over all points for
+request_overhead_s, step_overhead_s, s_per_seq, s_per_token, s_per_pair and s_per_kv_token, each point's row the
+sum of the features of the steps it consists of. A poor fit (R² of the prefill or decode points below --min-r2, or
+their median relative error above --max-median-error) is an error unless --force.
 
-- decode step time = decode_step_base_s + decode_s_per_kv_token × batch KV tokens (the Calibration's form), and
-  for the record the same with a per-sequence term;
-- TTFT = overhead + new tokens × s/token + (query, key) pairs × s/pair, where a prefill of N new tokens after P
-  cached ones attends N·P + N²/2 pairs (a physical fit: a fixed per-request cost, the linear layers, attention);
-- prefill_tokens_per_s: the rate that makes the simulator's own prefill time, max(N / rate, base + P × per-KV),
-  closest to the measured TTFTs (relative least squares). The simulator has no per-request overhead and no
-  attention term once calibrated, so this rate folds both in at the measured mix of lengths and contexts.
-
-The file holds the [calibration] table (only Calibration's fields), a [measurements] table with every raw
-point, the fits and their R², the endpoint as host:port only (never a key or a path) and the terms the
-simulator cannot take yet (e.g. `request_overhead_s`).
+The file holds the [calibration] table (exactly Calibration's six fields) and a [measurements] table: the endpoint
+as host:port only (never a key or a path), the model, the server's facts, the plan, the fit's R² values, each
+term's share and standard error, and every point measured and modeled.
 """
 
 # The package's surface: what `kvbench.cli.calibrate` and the tests use as `kvbench.calibrate.NAME`. The modules,
 # in the order a run goes through them: plan (what to measure, the points), endpoint (requests, server facts),
-# measurement (the TTFT and decode runs), fitting (least squares, the Calibration values), calibfile (the TOML).
+# measurement (the TTFT and decode runs), design (the step model's rows), fitting (the fit and its verdict),
+# calibfile (the TOML).
 from .calibfile import render, write
+from .design import PER, TERMS, Design, decode_row, prefill_chunks, prefill_row, step_row
 from .endpoint import RESERVED_TOKENS, Meter, host_port, shown
 from .fitting import (
+    DEFAULT_MAX_MEDIAN_ERROR,
+    DEFAULT_MIN_R2,
     Calibrated,
-    Fit,
     fit,
-    fit_decode,
-    fit_prefill_line,
-    fit_prefill_physical,
-    fit_prefill_rate,
-    least_squares,
-    modeled_prefill_s,
+    fit_terms,
+    judge,
+    problems,
     r_squared,
+    relative_nnls,
+    standard_errors,
 )
 from .measurement import (
     DECODE_ATTEMPTS,
@@ -60,6 +59,7 @@ from .plan import (
     DEFAULT_CONTEXT_NEW,
     DEFAULT_DECODE_CONTEXTS,
     DEFAULT_DECODE_TOKENS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_PROMPT,
     DEFAULT_PROMPT_LENGTHS,
     DEFAULT_REPEATS,
@@ -78,33 +78,41 @@ __all__ = [
     "DEFAULT_CONTEXT_NEW",
     "DEFAULT_DECODE_CONTEXTS",
     "DEFAULT_DECODE_TOKENS",
+    "DEFAULT_MAX_MEDIAN_ERROR",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_PROMPT",
+    "DEFAULT_MIN_R2",
     "DEFAULT_PROMPT_LENGTHS",
     "DEFAULT_REPEATS",
     "DEFAULT_VOCAB",
     "MIN_WINDOW_STEPS",
+    "PER",
     "RESERVED_TOKENS",
+    "TERMS",
     "WARMUP_REQUESTS",
     "Calibrated",
     "DecodePoint",
-    "Fit",
+    "Design",
     "Meter",
     "Plan",
     "PrefillPoint",
     "Progress",
     "Result",
+    "decode_row",
     "fit",
-    "fit_decode",
-    "fit_prefill_line",
-    "fit_prefill_physical",
-    "fit_prefill_rate",
+    "fit_terms",
     "host_port",
-    "least_squares",
+    "judge",
     "measure",
     "measure_async",
-    "modeled_prefill_s",
+    "prefill_chunks",
+    "prefill_row",
+    "problems",
     "r_squared",
+    "relative_nnls",
     "render",
     "shown",
+    "standard_errors",
+    "step_row",
     "write",
 ]

@@ -1,171 +1,176 @@
-"""The least-squares fits of the measured points and the Calibration values they give: the decode step line
-(`decode_step_base_s`, `decode_s_per_kv_token`), the prefill rate that makes the simulator's prefill closest to the
-measured TTFTs (`prefill_tokens_per_s`), and for the record the physical fits whose terms the simulator lacks."""
+"""The fit: one non-negative least squares over every measured point (prefill TTFTs and decode step times) for the
+six terms of the engine simulator's `Calibration`, in relative error; then how well it fits (R² overall and per
+row kind, every point's residual), what each term is worth (its share of the modeled time, an approximate standard
+error) and the verdict: a poor fit is an error unless forced."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.optimize import nnls
 
 from ..errors import KvbenchError
-from .plan import DecodePoint, PrefillPoint, Result
+from .design import TERMS, Design
+from .plan import Result
 
-
-@dataclass
-class Fit:
-    """Least-squares coefficients (named), R² and the number of points."""
-
-    coef: dict[str, float]
-    r2: float
-    n: int
-
-
-def least_squares(columns: dict[str, np.ndarray], y: np.ndarray, nonneg: bool = True, relative: bool = True) -> Fit:
-    """y ≈ Σ coef[name] × column (a column of ones gives an intercept), least squares of the relative error (weights
-    1/y: a 10 ms point counts as much as a 1 s one, so short prompts and small batches are not drowned by the long
-    ones) unless `relative` is off. With `nonneg`, a negative coefficient is dropped (set to 0) and the rest refitted:
-    step times cannot shrink as work grows. R² is of the plain residuals."""
-    names = list(columns)
-    y = np.asarray(y, dtype=np.float64)
-    w = 1.0 / y if relative and np.all(y > 0) else np.ones_like(y)
-    active = list(names)
-    while True:
-        x = np.column_stack([np.asarray(columns[k], dtype=np.float64) for k in active]) if active else None
-        beta = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0] if active else np.zeros(0)
-        negative = [k for k, b in zip(active, beta, strict=True) if b < 0]
-        if not nonneg or not negative:
-            break
-        active.remove(min(negative, key=lambda k: beta[active.index(k)]))
-    coef = dict.fromkeys(names, 0.0)
-    coef.update({k: float(b) for k, b in zip(active, beta, strict=True)})
-    pred = sum(coef[k] * np.asarray(columns[k], dtype=np.float64) for k in names)
-    return Fit(coef, r_squared(y, pred), len(y))
+DEFAULT_MIN_R2 = 0.9
+DEFAULT_MAX_MEDIAN_ERROR = 0.15  # median |modeled − measured| / measured of either row kind
+WORST_SHOWN = 3  # worst points a poor-fit message names per row kind
 
 
 def r_squared(y, pred) -> float:
+    """1 − SS_res / SS_tot of the plain (unweighted) residuals; 1.0 for a perfect fit of constant data."""
     y, pred = np.asarray(y, dtype=np.float64), np.asarray(pred, dtype=np.float64)
     ss_tot = float(((y - y.mean()) ** 2).sum())
     ss_res = float(((y - pred) ** 2).sum())
     return 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
 
 
-def fit_decode(points: list[DecodePoint]) -> tuple[Fit, Fit]:
-    """(step = base + per-KV × KV tokens, step = base + per-sequence × batch + per-KV × KV tokens)."""
-    if len(points) < 2:
-        raise KvbenchError("the decode fit needs at least two points: give two or more --batch-sizes")
-    kv = np.array([p.kv_tokens for p in points])
-    b = np.array([p.batch for p in points], dtype=np.float64)
-    y = np.array([p.step_s for p in points])
-    ones = np.ones_like(y)
-    line = least_squares({"base_s": ones, "s_per_kv_token": kv}, y)
-    full = least_squares({"base_s": ones, "s_per_seq": b, "s_per_kv_token": kv}, y)
-    return line, full
+def relative_nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """β ≥ 0 minimising Σ ((x·β − y) / y)²: a 10 ms point counts as much as a 1 s one, so short prompts and small
+    batches are not drowned by the long ones; no term may be negative, since no work makes a step quicker."""
+    weighted = x / y[:, None]
+    # columns span ~15 orders of magnitude (a count of 1 beside tens of millions of pairs): solve in unit columns
+    norms = np.linalg.norm(weighted, axis=0)
+    norms[norms == 0] = 1.0
+    beta, _ = nnls(weighted / norms, np.ones_like(y), maxiter=50 * x.shape[1])
+    return beta / norms
 
 
-def fit_prefill_physical(points: list[PrefillPoint]) -> Fit:
-    """TTFT = overhead + per-token × new tokens + per-pair × attention pairs (DESIGN: a step's linear work and its
-    attention), non-negative least squares."""
-    if len(points) < 2:
-        raise KvbenchError("the prefill fit needs at least two prompt lengths: give two or more --prompt-lengths")
-    y = np.array([p.ttft_s for p in points])
-    cols = {
-        "overhead_s": np.ones_like(y),
-        "s_per_token": np.array([p.new_tokens for p in points], dtype=np.float64),
-        "s_per_pair": np.array([p.pairs for p in points], dtype=np.float64),
-    }
-    return least_squares(cols, y)
-
-
-def fit_prefill_line(points: list[PrefillPoint]) -> Fit:
-    """TTFT = a + L / prefill_tokens_per_s over the fresh prompts (no cached context): the issue's straight line."""
-    fresh = [p for p in points if p.cached_tokens == 0]
-    y = np.array([p.ttft_s for p in fresh])
-    return least_squares({"intercept_s": np.ones_like(y), "s_per_token": np.array([p.new_tokens for p in fresh])}, y)
-
-
-def modeled_prefill_s(new: float, cached: float, tokens_per_s: float, base_s: float, per_kv_s: float) -> float:
-    """What the calibrated simulator charges for a prefill of `new` tokens after `cached` ones, alone in a step
-    (LatencyModel._cost with a Calibration: the larger of the compute and the memory bound)."""
-    return max(new / tokens_per_s, base_s + cached * per_kv_s)
-
-
-def fit_prefill_rate(points: list[PrefillPoint], base_s: float, per_kv_s: float) -> tuple[float, float]:
-    """(tokens/s, R²): the prefill rate whose simulated TTFTs are closest to the measured ones in relative terms
-    (golden-section search on log rate). The simulator's prefill of N tokens takes max(N / rate, base + …): the
-    rate absorbs the per-request overhead and the attention cost at the measured lengths and contexts."""
-    y = np.array([p.ttft_s for p in points])
-    new = np.array([p.new_tokens for p in points], dtype=np.float64)
-    cached = np.array([p.cached_tokens for p in points], dtype=np.float64)
-
-    def loss(log_rate: float) -> float:
-        pred = np.maximum(new / math.exp(log_rate), base_s + cached * per_kv_s)
-        return float((((pred - y) / y) ** 2).sum())
-
-    lo, hi = math.log(1.0), math.log(1e9)
-    grid = np.linspace(lo, hi, 200)
-    best = grid[int(np.argmin([loss(g) for g in grid]))]
-    a, b = best - (hi - lo) / 199, best + (hi - lo) / 199
-    g = (math.sqrt(5) - 1) / 2
-    for _ in range(80):
-        c, d = b - g * (b - a), a + g * (b - a)
-        if loss(c) < loss(d):
-            b = d
-        else:
-            a = c
-    rate = math.exp((a + b) / 2)
-    pred = np.maximum(new / rate, base_s + cached * per_kv_s)
-    return rate, r_squared(y, pred)
+def standard_errors(x: np.ndarray, y: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """Approximate standard errors of β: the unconstrained weighted least-squares formula σ²(AᵀA)⁻¹ with A = x / y
+    and σ² the relative residuals' variance, at the fitted β. An approximation: it ignores the non-negativity
+    bound (a term held at 0 gets the error it would have if free) and treats the points' medians as independent."""
+    a = x / y[:, None]
+    residual = a @ beta - 1.0
+    dof = max(len(y) - int(np.count_nonzero(beta)), 1)
+    sigma2 = float(residual @ residual) / dof
+    # scale columns before inverting, for the same reason as in the fit
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    cov = np.linalg.pinv((a / norms).T @ (a / norms)) * sigma2
+    return np.sqrt(np.clip(np.diag(cov), 0.0, None)) / norms
 
 
 @dataclass
 class Calibrated:
-    """The [calibration] table (Calibration's fields) and what the fits say beside it."""
+    """The fitted terms (the [calibration] table) and how well they fit the points."""
 
-    prefill_tokens_per_s: float
-    decode_step_base_s: float
-    decode_s_per_kv_token: float
-    fits: dict
-    proposed: dict = field(default_factory=dict)
+    terms: dict[str, float]
+    stderr: dict[str, float]
+    share: dict[str, float]  # each term's part of the modeled time summed over all points
+    r2: float
+    r2_prefill: float
+    r2_decode: float
+    median_error_prefill: float  # median |relative residual| of the prefill rows
+    median_error_decode: float
+    measured_s: list[float]  # per point (the medians), prefill rows first, as Design orders them
+    modeled_s: list[float]
+    residual: list[float]  # (modeled − measured) / measured, per point
+    labels: list[str]
+    n_prefill: int
+    forced: bool = False
+    warnings: list[str] = field(default_factory=list)  # why the fit is poor, when forced
 
     def calibration(self) -> dict:
+        return {t: self.terms[t] for t in TERMS}
+
+    def quality(self) -> dict:
+        """The fit's figures, as the file and --json record them."""
         return {
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_step_base_s": self.decode_step_base_s,
-            "decode_s_per_kv_token": self.decode_s_per_kv_token,
+            "r2": self.r2,
+            "r2_prefill": self.r2_prefill,
+            "r2_decode": self.r2_decode,
+            "median_abs_residual_prefill": self.median_error_prefill,
+            "median_abs_residual_decode": self.median_error_decode,
+            "points_prefill": self.n_prefill,
+            "points_decode": len(self.residual) - self.n_prefill,
+            "forced": self.forced,
         }
 
 
-def fit(result: Result) -> Calibrated:
-    line, full = fit_decode(result.decode)
-    base, per_kv = line.coef["base_s"], line.coef["s_per_kv_token"]
-    physical = fit_prefill_physical(result.prefill)
-    straight = fit_prefill_line(result.prefill)
-    rate, rate_r2 = fit_prefill_rate(result.prefill, base, per_kv)
-    overhead = max(0.0, physical.coef["overhead_s"] - base)
-    fits = {
-        "decode_line": {**line.coef, "r2": line.r2, "points": line.n},
-        "decode_with_per_seq": {**full.coef, "r2": full.r2, "points": full.n},
-        "prefill_line": {
-            "intercept_s": straight.coef["intercept_s"],
-            "tokens_per_s": 1 / straight.coef["s_per_token"] if straight.coef["s_per_token"] > 0 else math.inf,
-            "r2": straight.r2,
-            "points": straight.n,
-        },
-        "prefill_physical": {**physical.coef, "r2": physical.r2, "points": physical.n},
-        "prefill_rate": {"tokens_per_s": rate, "r2": rate_r2, "points": len(result.prefill)},
-    }
-    # Terms the simulator's Calibration lacks, at the values these measurements give them (a proposal):
-    proposed = {
-        # outside the engine's step loop (HTTP, the API server, the hand-off to the engine core): TTFT's fixed part
-        # less one step's fixed cost; paid once per request, added to its TTFT, occupies no engine step
-        "request_overhead_s": overhead,
-        # a prefill step's work: linear layers per new token, attention per (query, key) pair, added to the step's
-        # fixed cost (on a CPU nothing overlaps: the step is the sum, not the roofline's max)
-        "prefill_s_per_token": physical.coef["s_per_token"],
-        "prefill_s_per_pair": physical.coef["s_per_pair"],
-        # a decode step's cost per running sequence (sampling, output processing), beside its KV term
-        "decode_s_per_seq": full.coef["s_per_seq"],
-    }
-    return Calibrated(rate, base, per_kv, fits, proposed)
+def fit_terms(result: Result) -> Calibrated:
+    """The six terms from the run's points, and the fit's figures; raises if the points cannot tell them apart."""
+    design = Design.of(result)
+    design.identifiability()
+    x, y, prefill = design.x, design.y, design.is_prefill
+    beta = relative_nnls(x, y)
+    modeled = x @ beta
+    contributions = (x * beta).sum(axis=0)
+    total = float(modeled.sum())
+    residual = (modeled - y) / y
+    return Calibrated(
+        terms={t: float(b) for t, b in zip(TERMS, beta, strict=True)},
+        stderr={t: float(e) for t, e in zip(TERMS, standard_errors(x, y, beta), strict=True)},
+        share={t: float(c / total) if total > 0 else 0.0 for t, c in zip(TERMS, contributions, strict=True)},
+        r2=r_squared(y, modeled),
+        r2_prefill=r_squared(y[prefill], modeled[prefill]),
+        r2_decode=r_squared(y[~prefill], modeled[~prefill]),
+        median_error_prefill=float(np.median(np.abs(residual[prefill]))),
+        median_error_decode=float(np.median(np.abs(residual[~prefill]))),
+        measured_s=[float(v) for v in y],
+        modeled_s=[float(v) for v in modeled],
+        residual=[float(v) for v in residual],
+        labels=design.labels(),
+        n_prefill=design.n_prefill,
+    )
+
+
+def problems(cal: Calibrated, min_r2: float, max_median_error: float) -> list[str]:
+    """What is wrong with the fit, one line per bad row kind with its worst points; [] for a good fit."""
+    out = []
+    kinds = (
+        ("prefill", cal.r2_prefill, cal.median_error_prefill, range(cal.n_prefill)),
+        ("decode", cal.r2_decode, cal.median_error_decode, range(cal.n_prefill, len(cal.residual))),
+    )
+    for kind, r2, error, rows in kinds:
+        bad = []
+        if r2 < min_r2:
+            bad.append(f"R² {r2:.3f} < {min_r2:g}")
+        if error > max_median_error:
+            bad.append(f"median |residual| {error:.1%} > {max_median_error:.0%}")
+        if not bad:
+            continue
+        worst = sorted(rows, key=lambda i: -abs(cal.residual[i]))[:WORST_SHOWN]
+        shown = "; ".join(
+            f"{cal.labels[i]}: measured {_ms(cal.measured_s[i])}, modeled "
+            f"{_ms(cal.modeled_s[i])} ({cal.residual[i]:+.0%})"
+            for i in worst
+        )
+        out.append(f"{kind} rows fit badly ({', '.join(bad)}); worst: {shown}")
+    return out
+
+
+def judge(
+    cal: Calibrated, min_r2: float = DEFAULT_MIN_R2, max_median_error: float = DEFAULT_MAX_MEDIAN_ERROR, force=False
+) -> Calibrated:
+    """`cal` if it fits well; if not, a KvbenchError that says which rows fit badly and what to do, or with
+    `force` the same `cal` marked forced, its warnings saying why."""
+    found = problems(cal, min_r2, max_median_error)
+    if not found:
+        return cal
+    if not force:
+        raise KvbenchError(
+            "the step model fits the measurements poorly, so no calibration file was written: "
+            + " | ".join(found)
+            + ". Calibrate while nothing else runs on the machine or the server (other load makes step times "
+            "jump), raise --repeats (medians of more samples), or pass --force to write the file anyway (it then "
+            "records forced = true and this warning)"
+        )
+    cal.forced, cal.warnings = True, found
+    return cal
+
+
+def fit(
+    result: Result,
+    min_r2: float = DEFAULT_MIN_R2,
+    max_median_error: float = DEFAULT_MAX_MEDIAN_ERROR,
+    force: bool = False,
+) -> Calibrated:
+    """`fit_terms` then `judge`: the calibration of a run, or a KvbenchError when it fits poorly (unless forced)."""
+    return judge(fit_terms(result), min_r2, max_median_error, force)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"

@@ -1,11 +1,12 @@
 """The measuring runs: single-request TTFTs (fresh prompts and prompts after a cached context) and the decode step
 time of batches decoding together, read from the streamed inter-token times; `measure` runs them all against a
-live endpoint and returns the `Result` the fits take."""
+live endpoint, every point `repeats` times in shuffled orders, and returns the `Result` the fit takes (medians)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import random
 import secrets
 import statistics
 import time
@@ -21,28 +22,17 @@ WARMUP_REQUESTS = 2
 DECODE_ATTEMPTS = 3
 
 
-async def _prefill(meter: Meter, plan: Plan, progress: Progress) -> list[PrefillPoint]:
-    samples: dict[tuple[int, int], list[float]] = {}
-    reported: dict[tuple[int, int], list[int]] = {}
-    # repeats interleaved across points, so that a burst of other load on the machine hits all points alike
-    for _ in range(plan.repeats):
-        for n in plan.prompt_lengths:
-            o = await meter.send(meter.prompts(n), 1)
-            samples.setdefault((0, n), []).append(o.first_chunk_s - o.sent_s)
-            if o.cached_tokens is not None:
-                reported.setdefault((0, n), []).append(o.cached_tokens)
-            progress(f"prefill: {n}-token prompts", 1)
-        for p in plan.context_lengths:
-            for n in plan.context_new_tokens:
-                if p + n > plan.max_prompt_tokens:
-                    continue
-                context = meter.prompts(p)
-                await meter.send(context, 1)  # caches the context's full blocks
-                o = await meter.send(context + meter.prompts(n), 1)
-                samples.setdefault((p, n), []).append(o.first_chunk_s - o.sent_s)
-                if o.cached_tokens is not None:
-                    reported.setdefault((p, n), []).append(o.cached_tokens)
-                progress(f"prefill: {n} new tokens after {p} cached", 2)
+async def _prefill_sample(meter: Meter, cached: int, new: int) -> tuple[float, int | None]:
+    """(TTFT seconds, tokens the server says it served from its cache) of one lone request of `new` fresh tokens
+    after a `cached`-token context, which is sent just before so that the server caches it."""
+    context = meter.prompts(cached) if cached else []
+    if cached:
+        await meter.send(context, 1)  # caches the context's full blocks
+    o = await meter.send(context + meter.prompts(new), 1)
+    return o.first_chunk_s - o.sent_s, o.cached_tokens
+
+
+def _prefill_points(samples: dict, reported: dict) -> list[PrefillPoint]:
     for (p, n), got in reported.items():
         if p == 0 and statistics.median(got) > 0:
             raise KvbenchError(
@@ -54,10 +44,11 @@ async def _prefill(meter: Meter, plan: Plan, progress: Progress) -> list[Prefill
     for (p, n), s in samples.items():
         got = reported.get((p, n))
         server_cached = int(statistics.median(got)) if got else None
-        cached, new = p, n
-        if got is not None and p and server_cached < p // 2:
-            cached, new = 0, p + n  # the server did not hit the context (no prefix caching): a plain prefill
-        points.append(PrefillPoint(cached, new, statistics.median(s), [round(x, 6) for x in s], server_cached))
+        # what the server really reused (whole blocks of the context, or nothing without prefix caching) is what
+        # its prefill skipped; a server that does not say is taken to have reused the whole context
+        cached = p if server_cached is None else min(server_cached, p + n - 1)
+        rounded = [round(x, 6) for x in s]
+        points.append(PrefillPoint(cached, p + n - cached, statistics.median(s), rounded, server_cached))
     return sorted(points, key=lambda q: (q.cached_tokens, q.new_tokens))
 
 
@@ -94,25 +85,24 @@ def _batch_detail(outcomes) -> str:
     )
 
 
-async def _decode(meter: Meter, plan: Plan, progress: Progress, warnings: list[str]) -> list[DecodePoint]:
-    samples: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
-    for _ in range(plan.repeats):
-        for ctx in plan.decode_contexts:
-            for b in plan.batch_sizes:
-                # long enough that the batch decodes together for decode_tokens steps after the prefills
-                out = plan.decode_tokens + math.ceil(b * ctx / 1024)
-                for _attempt in range(DECODE_ATTEMPTS):  # other traffic on the server can split a batch once
-                    outs = await asyncio.gather(*(meter.send(meter.prompts(ctx), out) for _ in range(b)))
-                    got = _decode_step(outs, ctx)
-                    if got is not None:
-                        samples.setdefault((b, ctx), []).append(got)
-                        break
-                else:
-                    warnings.append(
-                        f"decode batch of {b} × {ctx}-token prompts left out: it never decoded together for "
-                        f"{MIN_WINDOW_STEPS} steps in {DECODE_ATTEMPTS} tries ({_batch_detail(outs)})"
-                    )
-                progress(f"decode: batch {b}, {ctx}-token prompts", b)
+async def _decode_sample(meter: Meter, plan: Plan, batch: int, context: int, warnings: list[str]):
+    """(step seconds, KV tokens, window steps) of `batch` concurrent `context`-token requests, or None (with a
+    warning) when they never decoded together."""
+    # long enough that the batch decodes together for decode_tokens steps after the prefills
+    out = plan.decode_tokens + math.ceil(batch * context / 1024)
+    for _attempt in range(DECODE_ATTEMPTS):  # other traffic on the server can split a batch once
+        outs = await asyncio.gather(*(meter.send(meter.prompts(context), out) for _ in range(batch)))
+        got = _decode_step(outs, context)
+        if got is not None:
+            return got
+    warnings.append(
+        f"decode batch of {batch} × {context}-token prompts left out of one repeat: it never decoded together for "
+        f"{MIN_WINDOW_STEPS} steps in {DECODE_ATTEMPTS} tries ({_batch_detail(outs)})"
+    )
+    return None
+
+
+def _decode_points(samples: dict, warnings: list[str]) -> list[DecodePoint]:
     points = []
     for (b, ctx), s in samples.items():
         points.append(
@@ -133,6 +123,35 @@ async def _decode(meter: Meter, plan: Plan, progress: Progress, warnings: list[s
             + " ".join(warnings[-3:])
         )
     return sorted(points, key=lambda q: (q.batch, q.context_tokens))
+
+
+async def _measure_points(meter: Meter, plan: Plan, progress: Progress, result: Result) -> None:
+    """Every point once per repeat, each repeat in its own shuffled order (seeded by the plan): a burst of other
+    load, or the server warming up, then lands on random points instead of on all the long prompts or all the
+    large batches, which would bend the fitted terms."""
+    points = [("prefill", 0, n) for n in plan.prompt_lengths]
+    points += [("prefill", p, n) for p, n in plan.context_points()]
+    points += [("decode", b, ctx) for ctx in plan.decode_contexts for b in plan.batch_sizes]
+    order = random.Random(plan.seed)
+    prefill: dict[tuple[int, int], list[float]] = {}
+    reported: dict[tuple[int, int], list[int]] = {}
+    decode: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
+    for _ in range(plan.repeats):
+        for kind, a, b in order.sample(points, len(points)):
+            if kind == "prefill":
+                ttft, cached = await _prefill_sample(meter, a, b)
+                prefill.setdefault((a, b), []).append(ttft)
+                if cached is not None:
+                    reported.setdefault((a, b), []).append(cached)
+                what = f"prefill: {b} new tokens after {a} cached" if a else f"prefill: {b}-token prompts"
+                progress(what, 2 if a else 1)
+            else:
+                got = await _decode_sample(meter, plan, a, b, result.warnings)
+                if got is not None:
+                    decode.setdefault((a, b), []).append(got)
+                progress(f"decode: batch {a}, {b}-token prompts", a)
+    result.prefill = _prefill_points(prefill, reported)
+    result.decode = _decode_points(decode, result.warnings)
 
 
 async def measure_async(
@@ -171,8 +190,7 @@ async def measure_async(
         result = Result(host_port(base), model, endpoint, max_len, plan)
         result.server = await server_facts(client.session, base)
         result.server["prefix_cache_reset"] = await reset_prefix_cache(client.session, base)
-        result.prefill = await _prefill(meter, plan, progress)
-        result.decode = await _decode(meter, plan, progress, result.warnings)
+        await _measure_points(meter, plan, progress, result)
     result.seconds = time.perf_counter() - t0
     return result
 

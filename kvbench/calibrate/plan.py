@@ -1,6 +1,7 @@
 """What `kvbench calibrate` measures and what the measuring yields: the plan (prompt lengths, cached contexts,
-batch sizes, repeats), the default grid, the prefill and decode points and the run's result. Plain data: the
-endpoint talk is in `endpoint`/`measurement`, the fits in `fitting`, the file in `calibfile`."""
+batch sizes, repeats, the server's prefill chunk size), the default grid, the prefill and decode points and the
+run's result. Plain data: the endpoint talk is in `endpoint`/`measurement`, the step model's rows in `design`, the
+fit in `fitting`, the file in `calibfile`."""
 
 from __future__ import annotations
 
@@ -10,24 +11,31 @@ from dataclasses import dataclass, field
 
 from ..errors import KvbenchError
 
-# Log-spaced lengths: the prefill rate is fitted in relative error, each point weighing alike, so the grid says
-# which sizes the rate must serve; doublings from 32 to 4096 tokens cover short chat turns to long documents.
-DEFAULT_PROMPT_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Log-spaced lengths: the fit weighs every point's relative error alike, so the grid says which sizes the terms
+# must serve; doublings from 32 to 8192 tokens cover short chat turns to long documents, and the prompts past the
+# chunk size (2048 on vLLM's CPU engine) are prefilled in several steps, which tells the per-step cost apart from
+# the per-request one and shows the attention term's growth.
+DEFAULT_PROMPT_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_CONTEXT_LENGTHS = (512, 1024, 2048)  # cached prefix tokens for the prefill-after-context points
 DEFAULT_CONTEXT_NEW = (64, 256, 1024)  # new tokens after each cached context
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
-DEFAULT_DECODE_CONTEXTS = (128, 1024)
+DEFAULT_DECODE_CONTEXTS = (128, 1024)  # two lengths, so that a batch's KV and its size vary apart
 DEFAULT_DECODE_TOKENS = 64
 DEFAULT_VOCAB = 4096
-DEFAULT_MAX_PROMPT = 4096
+DEFAULT_MAX_PROMPT = 8192
 DEFAULT_REPEATS = 3
+# vLLM's default token budget of one step on CPU (--max-num-batched-tokens): a longer prefill runs as chunks of
+# this many tokens, one step each
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 Progress = Callable[[str, int], None]  # (what is being measured, requests just finished)
 
 
 @dataclass
 class Plan:
-    """What to measure. Lengths in tokens; every point is measured `repeats` times (the median is fitted)."""
+    """What to measure. Lengths in tokens; every point is measured `repeats` times, the points of each repeat in
+    an order shuffled by `seed`, and the median is fitted. `max_num_batched_tokens` is the server's step budget:
+    not measured (no server reports it), it says how the server cuts long prefills into steps."""
 
     prompt_lengths: tuple[int, ...] = DEFAULT_PROMPT_LENGTHS
     context_lengths: tuple[int, ...] = DEFAULT_CONTEXT_LENGTHS
@@ -38,7 +46,12 @@ class Plan:
     repeats: int = DEFAULT_REPEATS
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT
     vocab: int = DEFAULT_VOCAB
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     seed: int | None = None  # None: a fresh seed each run (recorded), so no run repeats an earlier one's prompts
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise KvbenchError(f"--max-num-batched-tokens must be ≥ 1, got {self.max_num_batched_tokens}")
 
     def bounded(self, max_model_len: int | None) -> Plan:
         """The plan with every prompt (and its output) inside `max_prompt_tokens` and the server's context."""
@@ -63,31 +76,48 @@ class Plan:
             max_prompt_tokens=cap,
         )
 
+    def context_points(self) -> list[tuple[int, int]]:
+        """(cached context, new tokens) of the prefill-after-context points that fit in the prompt cap."""
+        return [
+            (p, n) for p in self.context_lengths for n in self.context_new_tokens if p + n <= self.max_prompt_tokens
+        ]
+
     @property
     def prefill_requests(self) -> int:
-        ctx = sum(1 for p in self.context_lengths for n in self.context_new_tokens if p + n <= self.max_prompt_tokens)
-        return self.repeats * (len(self.prompt_lengths) + 2 * ctx)
+        return self.repeats * (len(self.prompt_lengths) + 2 * len(self.context_points()))
 
     @property
     def decode_requests(self) -> int:
         return self.repeats * sum(self.batch_sizes) * len(self.decode_contexts)
 
+    def record(self) -> dict:
+        """The plan as the file records it."""
+        return {
+            "prompt_lengths": list(self.prompt_lengths),
+            "context_lengths": list(self.context_lengths),
+            "context_new_tokens": list(self.context_new_tokens),
+            "batch_sizes": list(self.batch_sizes),
+            "decode_contexts": list(self.decode_contexts),
+            "decode_tokens": self.decode_tokens,
+            "repeats": self.repeats,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "vocab": self.vocab,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "seed": self.seed,
+            "order": "each repeat runs every point once, in an order shuffled by the seed",
+        }
+
 
 @dataclass
 class PrefillPoint:
-    """Median TTFT (s) of requests of `new_tokens` uncached tokens after `cached_tokens` cached ones."""
+    """Median TTFT (s) of single requests of `new_tokens` uncached tokens after `cached_tokens` cached ones,
+    max_tokens=1: the request's overhead plus its prefill step(s)."""
 
     cached_tokens: int
     new_tokens: int
     ttft_s: float
     samples_s: list[float]
     server_cached_tokens: int | None = None  # what the server reported as cached (None: it does not say)
-
-    @property
-    def pairs(self) -> float:
-        """(query, key) pairs attention computes: each new token attends the context and the new tokens up to it."""
-        n, p = self.new_tokens, self.cached_tokens
-        return n * p + n * (n + 1) / 2
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""`kvbench calibrate --url URL -o FILE`: measure a live endpoint's prefill and decode timing and write the
-calibration file the engine simulator reads (`--backend engine-sim --calibration FILE`)."""
+"""`kvbench calibrate --url URL -o FILE`: measure a live endpoint's prefill and decode timing, fit the engine
+simulator's six step-time terms and write the calibration file it reads (`--backend engine-sim --calibration
+FILE`), or fail with what to do when the terms fit the measurements poorly."""
 
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ def _csv(default) -> str:
     "--url",
     envvar="KVBENCH_URL",
     required=True,
-    help="server base URL, e.g. http://127.0.0.1:8011 (env KVBENCH_URL; `kvbench engine status` lists local engines)",
+    help="server base URL (scheme://host:port), e.g. http://127.0.0.1:8011 (env KVBENCH_URL; `kvbench engine "
+    "status` lists local engines); the file records host:port only",
 )
-@click.option("--model", help="model name to request [default: the first of GET /v1/models]")
+@click.option("--model", help="served model name to request [default: the first of GET /v1/models]")
 @click.option(
     "--endpoint",
     type=click.Choice(["completions", "chat"]),
@@ -60,21 +62,52 @@ def _csv(default) -> str:
     "--api-key-env",
     default="OPENAI_API_KEY",
     show_default=True,
-    help="environment variable that holds the API key (its value is sent, never written to the file)",
+    help="name of the environment variable that holds the API key (its value is sent, never written to the file)",
 )
 @click.option(
     "-o",
     "--out",
     type=click.Path(dir_okay=False, writable=True),
     required=True,
-    help="calibration file to write (TOML: [calibration] for engine-sim, [measurements] with the raw points)",
+    help="path of the calibration file to write (TOML: [calibration] for engine-sim, [measurements] with every "
+    "point and the fit); written whole or not at all",
 )
 @click.option(
     "--repeats",
     type=click.IntRange(min=1),
     default=C.DEFAULT_REPEATS,
     show_default=True,
-    help="times each point is measured; the median is fitted (more: steadier on a busy machine, slower)",
+    help="times (count) each point is measured, each time in a new random order; the median is fitted (more: "
+    "steadier on a busy machine, slower)",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=C.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    show_default=True,
+    help="the server's step budget in tokens (vLLM's --max-num-batched-tokens; its CPU default is 2048, GPU 8192): "
+    "a longer prefill runs as chunks of this many tokens, one step each, and is modeled so; recorded in the file",
+)
+@click.option(
+    "--min-r2",
+    type=click.FloatRange(max=1.0),
+    default=C.DEFAULT_MIN_R2,
+    show_default=True,
+    help="least R² (coefficient of determination, a unitless fraction ≤ 1) the fit must reach on the prefill points "
+    "and on the decode points; below it no file is written (unless --force)",
+)
+@click.option(
+    "--max-median-error",
+    type=click.FloatRange(min=0, min_open=True),
+    default=C.DEFAULT_MAX_MEDIAN_ERROR,
+    show_default=True,
+    help="largest median |modeled − measured| / measured (a fraction: 0.15 = 15 %) of the prefill points and of "
+    "the decode points; above it no file is written (unless --force)",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="write the file even when the fit is poor; it then records forced = true and the warning",
 )
 @click.option(
     "--max-prompt-tokens",
@@ -111,14 +144,14 @@ def _csv(default) -> str:
     callback=_lengths,
     default=_csv(C.DEFAULT_BATCH_SIZES),
     show_default=True,
-    help="decode: concurrent requests per point (sequences; at most the server's max_num_seqs)",
+    help="decode: concurrent requests per point, in sequences (comma-separated; at most the server's max_num_seqs)",
 )
 @click.option(
     "--decode-contexts",
     callback=_lengths,
     default=_csv(C.DEFAULT_DECODE_CONTEXTS),
     show_default=True,
-    help="decode: prompt length of each concurrent request, in tokens",
+    help="decode: prompt length of each concurrent request, in tokens (comma-separated)",
 )
 @click.option(
     "--decode-tokens",
@@ -126,14 +159,14 @@ def _csv(default) -> str:
     default=C.DEFAULT_DECODE_TOKENS,
     show_default=True,
     help="decode: output tokens per request, counted from when the whole batch runs (more are asked for to cover "
-    "the batch's own prefills)",
+    "the batch's own prefills), in tokens",
 )
 @click.option(
     "--vocab",
     type=click.IntRange(min=64),
     default=C.DEFAULT_VOCAB,
     show_default=True,
-    help="random token ids are drawn below this (at most the model's vocabulary size)",
+    help="random token ids are drawn below this, in token ids (at most the model's vocabulary size)",
 )
 @click.option(
     "--timeout",
@@ -146,10 +179,16 @@ def _csv(default) -> str:
 @click.option(
     "--seed",
     type=int,
-    help="seed of the random prompts [default: a fresh one each run, recorded in the file; a seed an earlier run "
-    "used repeats its prompts, which the server may then serve from its prefix cache]",
+    help="seed (an integer) of the random prompts and of the points' order [default: a fresh one each run, recorded "
+    "in the file; a seed an earlier run used repeats its prompts, which the server may then serve from its prefix "
+    "cache]",
 )
-@click.option("--json", "as_json", is_flag=True, help="also print the calibration and the fits as JSON on stdout")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="also print the calibration (seconds) and the fit's figures as JSON on stdout",
+)
 def calibrate(
     url,
     model,
@@ -157,6 +196,10 @@ def calibrate(
     api_key_env,
     out,
     repeats,
+    max_num_batched_tokens,
+    min_r2,
+    max_median_error,
+    force,
     max_prompt_tokens,
     prompt_lengths,
     context_lengths,
@@ -169,14 +212,20 @@ def calibrate(
     seed,
     as_json,
 ):
-    """Measure a live OpenAI-compatible endpoint's prefill throughput and decode step time, and write a
-    calibration file for the engine simulator, so that modeled and measured latency compare on the same trace.
+    """Measure a live OpenAI-compatible endpoint's prefill and decode timing, fit the engine simulator's step-time
+    model and write a calibration file for it, so that modeled and measured latency compare on the same trace.
 
-    Prefill: TTFT of single requests (max_tokens=1) at several prompt lengths, and after a cached context.
-    Decode: the streamed inter-token time of batches of concurrent requests (ignore_eos), fitted against the
-    batch's KV tokens. Prompts are random token ids, new for every request, so nothing hits the prefix cache
-    unless a point asks for it. Send nothing else to the server meanwhile. Takes about a minute on the local
-    vLLM CPU engine.
+    The model (all terms in seconds, ≥ 0): a step costs step_overhead_s + s_per_seq·sequences +
+    s_per_token·tokens + s_per_pair·attention pairs + s_per_kv_token·KV tokens read; a request waits
+    request_overhead_s before it reaches the scheduler.
+
+    Prefill points: TTFT of single requests (max_tokens=1) at several prompt lengths and after a cached context,
+    modeled as the request overhead plus the prefill's chunk steps (--max-num-batched-tokens). Decode points: the
+    streamed inter-token time of batches of concurrent requests (ignore_eos), one step of the batch. Every point
+    is measured --repeats times in random orders; the medians are fitted jointly (non-negative least squares of
+    the relative error). A poor fit (--min-r2, --max-median-error) is an error unless --force. Prompts are random
+    token ids, new for every request, so nothing hits the prefix cache unless a point asks for it. Send nothing
+    else to the server meanwhile. Takes a minute or two on the local vLLM CPU engine.
 
     \b
     Example:
@@ -194,6 +243,7 @@ def calibrate(
         decode_contexts=decode_contexts,
         decode_tokens=decode_tokens,
         repeats=repeats,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_prompt_tokens=max_prompt_tokens,
         vocab=vocab,
         seed=seed,
@@ -221,11 +271,15 @@ def calibrate(
         )
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    fitted = C.fit(result)
+    fitted = C.fit_terms(result)
+    _print_fit(result, fitted)  # shown before the verdict: a poor fit's numbers are what the user needs to see
+    fitted = C.judge(fitted, min_r2, max_median_error, force)
+    for warning in fitted.warnings:
+        console.print(f"[yellow]warning (forced):[/] {warning}")
     path = C.write(out, result, fitted, _command(url))
-    _print(result, fitted, path)
+    _print_next(result, path)
     if as_json:
-        click.echo(json.dumps({"calibration": fitted.calibration(), "fits": fitted.fits, "proposed": fitted.proposed}))
+        click.echo(json.dumps({"calibration": fitted.calibration(), "fit": fitted.quality(), "stderr": fitted.stderr}))
 
 
 def _command(url: str) -> str:
@@ -242,31 +296,38 @@ def _command(url: str) -> str:
     return shlex.join(["kvbench", *args])
 
 
-def _print(result, fitted, path) -> None:
+def _seconds(value: float) -> str:
+    """A time in the unit that shows it best (s, ms, µs, ns, ps)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if value >= scale:
+            return f"{value / scale:.4g} {unit}"
+    return f"{value / 1e-12:.4g} ps" if value else "0 s"
+
+
+def _print_fit(result, fitted) -> None:
     from rich.table import Table
 
-    f = fitted.fits
     table = Table(title=f"calibration of {result.model!r} at {result.url} ({result.seconds:.0f} s)")
-    for col in ("term", "value", "from"):
-        table.add_column(col)
-    table.add_row(
-        "prefill_tokens_per_s",
-        f"{fitted.prefill_tokens_per_s:,.0f} tok/s",
-        f"simulated TTFT vs {f['prefill_rate']['points']} measured, R² {f['prefill_rate']['r2']:.3f}",
-    )
-    table.add_row(
-        "decode_step_base_s",
-        f"{fitted.decode_step_base_s * 1e3:.2f} ms",
-        f"decode step vs KV tokens, {f['decode_line']['points']} points, R² {f['decode_line']['r2']:.3f}",
-    )
-    table.add_row("decode_s_per_kv_token", f"{fitted.decode_s_per_kv_token * 1e6:.4f} µs", "slope of that line")
-    p = fitted.proposed
-    table.add_row(
-        "(request overhead)",
-        f"{p['request_overhead_s'] * 1e3:.1f} ms",
-        "TTFT's fixed part less one step's; not modeled by engine-sim yet",
+    for col, justify in (("term", "left"), ("value", "right"), ("± std. error", "right"), ("share", "right")):
+        table.add_column(col, justify=justify)
+    for term in C.TERMS:
+        per = C.PER[term]
+        table.add_row(
+            term,
+            f"{_seconds(fitted.terms[term])} / {per}",
+            f"{_seconds(fitted.stderr[term])}",
+            f"{fitted.share[term]:.1%}",
+        )
+    table.caption = (
+        f"R² {fitted.r2:.3f} overall, {fitted.r2_prefill:.3f} prefill ({fitted.n_prefill} points), "
+        f"{fitted.r2_decode:.3f} decode ({len(fitted.residual) - fitted.n_prefill} points); median |error| "
+        f"{fitted.median_error_prefill:.1%} prefill, {fitted.median_error_decode:.1%} decode. share: of the modeled "
+        "time over all points; std. error approximate"
     )
     stdout.print(table)
+
+
+def _print_next(result, path) -> None:
     server = result.server
     pool = f" --hbm-capacity {server['num_gpu_blocks']}" if server.get("num_gpu_blocks") else ""
     click.echo(f"wrote {path}")
@@ -276,5 +337,5 @@ def _print(result, fitted, path) -> None:
         what, limits = "--hardware HW --model MODEL", "vLLM's GPU defaults: 256 / 8192, engine-sim's too"
     click.echo(
         f"next: kvbench replay TRACE --backend engine-sim {what} --calibration {path}{pool}  (with the server's "
-        f"--max-num-seqs / --max-num-batched-tokens; {limits})"
+        f"--max-num-seqs / --max-num-batched-tokens {result.plan.max_num_batched_tokens}; {limits})"
     )

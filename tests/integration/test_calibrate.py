@@ -1,10 +1,12 @@
 """`kvbench calibrate` against the real vLLM CPU engine (`@pytest.mark.engine`): the file it writes loads into
-engine-sim, its terms are in the range this machine kind shows, and a calibrated replay models latencies of the
-engine's order of magnitude (the uncalibrated roofline is ~10x too fast on TTFT). benchmarks/calibration_fidelity.py
-compares modeled and measured latency on a real trace; this test keeps to a small plan (about 30 s on 2 cores)."""
+engine-sim, its six terms are ≥ 0 with the fit's R² reported, and a calibrated replay models latencies of the
+engine's order of magnitude (the uncalibrated roofline is ~10x too fast on TTFT). The machine running the tests is
+shared, so the step times can be too noisy for a good fit: the run passes --force, and when the fit was poor the
+file must say so. This test keeps to a small plan (about a minute on 2 cores)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import tomllib
@@ -31,32 +33,53 @@ def vllm():
 @pytest.fixture(scope="module")
 def calib(vllm, tmp_path_factory):
     out = tmp_path_factory.mktemp("calib") / "calib.toml"
-    cmd = ["kvbench", "calibrate", "--url", vllm.url, "-o", str(out), "--repeats", "2"]
-    cmd += ["--prompt-lengths", "64,256,1024,2048", "--context-lengths", "1024", "--context-new-tokens", "64,512"]
-    cmd += ["--batch-sizes", "1,4,8", "--decode-contexts", "256", "--decode-tokens", "32"]
+    cmd = ["kvbench", "calibrate", "--url", vllm.url, "-o", str(out), "--repeats", "2", "--force"]
+    cmd += ["--prompt-lengths", "64,256,1024,2048,4096", "--context-lengths", "1024", "--context-new-tokens", "64,512"]
+    cmd += ["--batch-sizes", "1,4,8", "--decode-contexts", "128,512", "--decode-tokens", "32"]
+    cmd += ["--max-num-batched-tokens", "2048"]  # the engine's (vLLM's CPU default)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "--calibration" in proc.stdout
-    return out
+    assert "--calibration" in proc.stdout and "R²" in proc.stdout
+    return out, proc.stdout + proc.stderr
 
 
 def test_calibration_file_describes_the_engine(vllm, calib):
-    data = tomllib.loads(calib.read_text())
+    path, output = calib
+    data = tomllib.loads(path.read_text())
     cal, m = data["calibration"], data["measurements"]
+    assert set(cal) == {
+        "request_overhead_s",
+        "step_overhead_s",
+        "s_per_seq",
+        "s_per_token",
+        "s_per_pair",
+        "s_per_kv_token",
+    }
+    assert all(0 <= v < 1 for v in cal.values())  # seconds per request / step / sequence / token / pair / KV token
     assert m["url"] == f"127.0.0.1:{vllm.port}" and m["model"] == vllm.model and m["max_model_len"] == 8192
     assert m["server"]["block_size"] == vllm.block_size and m["server"]["num_gpu_blocks"] > 0
     assert m["server"]["prefix_cache_reset"] is True
-    # the tiny model on 2 CPU cores: prefill some thousands of tokens/s, a decode step some milliseconds
-    assert 300 < cal["prefill_tokens_per_s"] < 100_000
-    assert 0.001 < cal["decode_step_base_s"] < 0.2
-    assert cal["decode_s_per_kv_token"] < 1e-4
-    # context points were served from the prefix cache, fresh ones were not
+    assert m["plan"]["max_num_batched_tokens"] == 2048 and m["plan"]["repeats"] == 2
+    # context points were served from the prefix cache, fresh ones were not; 4096 tokens took two chunks
     assert {p["server_cached_tokens"] for p in m["prefill"] if p["cached_tokens"]} == {1024}
     assert {p["server_cached_tokens"] for p in m["prefill"] if not p["cached_tokens"]} == {0}
-    assert m["fits"]["prefill_line"]["r2"] > 0.5  # TTFT grows with the prompt
+    assert [p["chunks"] for p in m["prefill"] if p["new_tokens"] == 4096] == [2]
+    # the fit's figures are there; the prefill TTFTs span 64 to 4096 tokens, so even a noisy machine fits them
+    fit = m["fit"]
+    assert all(fit[k] <= 1 for k in ("r2", "r2_prefill", "r2_decode")) and fit["r2_prefill"] > 0.5
+    assert all(math.isfinite(p["modeled_s"]) and p["modeled_s"] > 0 for p in m["prefill"] + m["decode"])
+    assert sum(t["share"] for t in m["terms"].values()) == pytest.approx(1.0, rel=1e-4)
+    # a poor fit was written only because of --force, and the file says so
+    poor = fit["r2_prefill"] < 0.9 or fit["r2_decode"] < 0.9
+    poor = poor or max(fit["median_abs_residual_prefill"], fit["median_abs_residual_decode"]) > 0.15
+    assert m["forced"] is poor and fit["forced"] is poor
+    if poor:
+        assert m["fit_warnings"] and "fit badly" in m["fit_warnings"][0] and "warning (forced)" in output
+        assert "FORCED" in path.read_text().split("[calibration]")[0]
 
 
 def test_calibration_loads_into_engine_sim(calib, tmp_path):
+    calib, _ = calib
     trace = REPO / "traces/samples/chat.parquet"
     sub = tmp_path / "chat.parquet"
     import pyarrow.parquet as pq

