@@ -149,6 +149,12 @@ class EngineSimBackend:
                 help="write-through: every block HBM admits is also written to DRAM; write-back: only what HBM evicts",
             ),
             click.Option(
+                ["--max-concurrency"],
+                type=click.IntRange(min=1),
+                help="requests the client keeps in flight at most (as a live replay's --max-concurrency): one due "
+                "while that many run is sent when one finishes, its latencies counted from then [default: no limit]",
+            ),
+            click.Option(
                 ["--closed-loop"],
                 is_flag=True,
                 help="a session's next turn (and an agent call after its depends_on) arrives when the previous "
@@ -200,6 +206,7 @@ class EngineSimBackend:
         pool_policy="lru",
         write_through=False,
         closed_loop=False,
+        max_concurrency=None,
         mfu=0.5,
         mbu=0.8,
         calibration=None,
@@ -241,6 +248,7 @@ class EngineSimBackend:
             "pool_policy": pool_policy,
             "write_through": write_through,
             "closed_loop": closed_loop,
+            "max_concurrency": max_concurrency,
             "mfu": mfu,
             "mbu": mbu,
             "calibration": calib and vars(calib),
@@ -338,7 +346,7 @@ class EngineSimBackend:
             think = np.zeros(len(reqs)) if col is None else col.fill_null(0.0).to_numpy().astype(np.float64)
         for sc in scenarios:
             sc.attach(instances, reqs, trace, prep, bs)
-        timeline = simulate(instances, reqs, s["router"], successors, think, scenarios)
+        timeline = simulate(instances, reqs, s["router"], successors, think, scenarios, s["max_concurrency"])
         result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, modeled_latency_summary)
         result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
         return result

@@ -7,6 +7,7 @@ import hashlib
 import heapq
 import itertools
 from bisect import bisect
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -73,9 +74,13 @@ def _cache_aware(instances, req, state):
     return max(instances, key=score)
 
 
-def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=None, think=None, scenarios=()) -> dict:
+def simulate(
+    instances: list[Instance], reqs: list[Req], route: str, successors=None, think=None, scenarios=(), max_in_flight=None
+) -> dict:
     """Run every request to completion. `successors[r]`: rows that wait for r (closed loop); a row with
-    predecessors arrives when the last of them finishes plus its think time. Returns the KV timeline."""
+    predecessors arrives when the last of them finishes plus its think time. `max_in_flight`: the client's
+    concurrency limit (as `--max-concurrency` of a live replay): a request due while that many are in flight is
+    sent when one finishes, and its latencies count from then. Returns the KV timeline."""
     pick = ROUTERS[route]
     state: dict = {}
     seq = itertools.count()
@@ -127,6 +132,13 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
             heapq.heappush(steps, (begun + done * per, token, (inst, pieces, decoding, done)))
 
     cancelled: set[int] = set()
+    in_flight = 0
+    held: deque[Req] = deque()  # due, but the client's concurrency limit holds them back
+
+    def send(req: Req, t: float) -> None:
+        """The client sends a held request now: it reaches the scheduler after the per-request overhead."""
+        req.scheduled, req.arrival = req.arrival, t
+        heapq.heappush(arrivals, (t + entry_delay, next(seq), req))
 
     while arrivals or steps:
         if arrivals and (not steps or arrivals[0][0] <= steps[0][0]):
@@ -134,6 +146,13 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
             if callable(req):  # a scenario's timed event (an instance coming up, a user's KV deleted)
                 req(t)
                 continue
+            if max_in_flight and req.scheduled < 0 and not req.handoff:
+                if in_flight >= max_in_flight:
+                    req.scheduled = -2.0  # (marks it held until send() gives it its send time)
+                    held.append(req)
+                    continue
+                req.scheduled = req.arrival
+                in_flight += 1
             candidates = instances
             for sc in scenarios:
                 candidates = sc.candidates(candidates, req, t)
@@ -151,6 +170,12 @@ def simulate(instances: list[Instance], reqs: list[Req], route: str, successors=
             cancelled.discard(token)
             continue
         finished = inst.finish_step(t, pieces, decoding, n)
+        if max_in_flight:
+            in_flight -= len(finished) + len(inst.rejected) - inst.rejected_seen
+            inst.rejected_seen = len(inst.rejected)
+            while held and in_flight < max_in_flight:
+                in_flight += 1
+                send(held.popleft(), t)
         for req in inst.handed:  # disaggregated prefill done: the KV crosses the link, then decode elsewhere
             delay = sum(sc.handoff_s(req) for sc in scenarios)
             heapq.heappush(arrivals, (t + delay, next(seq), req))

@@ -40,6 +40,7 @@ class Req:
     instance: int = -1
     cached_on: int = -1  # the instance whose prefix cache holds this request's blocks while it runs
     handoff: bool = False  # disaggregated: prefilled elsewhere, its KV moved here to decode
+    scheduled: float = -1.0  # trace time when a client concurrency limit held it back (its send is `arrival`)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Instance:
         self.routed = 0  # requests the router sent here
         self.queued_tokens = 0  # prompt tokens of the waiting requests (kept, not summed per routing decision)
         self.scenarios: list = []
+        self.slots = hasattr(cache, "grow")  # the cache is vLLM's slot pool: it decides what fits
         self.role = "both"  # or "prefill" / "decode" when disaggregated
         self.handed: list[Req] = []  # prefilled in the last step, to move to a decode instance
         self.now = 0.0  # simulated time of the work being planned or applied (for hooks that need it)
@@ -69,6 +71,7 @@ class Instance:
         self.lifetimes: list[float] = []  # seconds each evicted block stayed in HBM
         self.window = None  # (token, start, seconds per iteration, iterations, pieces, decoding) in flight
         self.rejected: list[Req] = []  # prompts larger than the whole pool: they could never run
+        self.rejected_seen = 0  # (how many of them the client's in-flight count has given back)
         self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_bytes": 0, "load_bytes": {}, "steps": 0}
 
     def blocks_for(self, tokens: int) -> int:
@@ -138,13 +141,25 @@ class Instance:
         return load_s
 
     def _fits(self, req: Req) -> bool:
+        if self.slots:  # vLLM admits a request when its whole sequence fits, counting what its hit saves
+            return self.cache.admission_need(req.row, req.n_in + req.generated) <= self._room()
         need = self.blocks_for((req.context if req.swapped else 0) + req.n_in + req.generated + 1)
-        return self.used + need <= self.pool
+        return need <= self._room()
+
+    def _room(self) -> int:
+        """Blocks free for new KV: in a slot pool (vLLM's) its free queue, cached blocks no request holds
+        included; otherwise the pool less the blocks running sequences hold."""
+        return self.cache.free_blocks() if self.slots else self.pool - self.used
+
+    def _take(self, r: Req, tokens: int) -> None:
+        """A slot pool takes r's blocks for `tokens` tokens of KV as the step that computes them is scheduled."""
+        if self.slots and r.cached_on == self.index:
+            self.cache.grow(r.row, tokens)
 
     def _begin(self, row: int) -> int:
         """Look request `row` up in the prefix cache and hold its hit; a pool that takes blocks step by step
         (vLLM's, with `grow`) takes the prompt's as its chunks are scheduled, not all at once."""
-        if hasattr(self.cache, "grow"):
+        if self.slots:
             return self.cache.begin(row, prompt_slots=False)
         return self.cache.begin(row)
 
@@ -180,23 +195,28 @@ class Instance:
         # decodes that cross into a new block need one; preempt from the back until they fit
         decoding = [r for r in self.running if r.todo == 0]
         grow = sum(1 for r in decoding if r.context % self.bs == 0)
-        while self.running and self.used + grow > self.pool:
+        while self.running and grow > self._room():
             extra_s += self._preempt(now)
             decoding = [r for r in self.running if r.todo == 0]
             grow = sum(1 for r in decoding if r.context % self.bs == 0)
         self.used += grow
+        for r in decoding:
+            self._take(r, r.context + 1)
         budget -= len(decoding)
         pieces = []
         for r in self.running:
             if r.todo > 0 and budget > 0:
                 take = min(r.todo, budget)
                 pieces.append((r, take))
+                self._take(r, r.context + take)
                 budget -= take
         while self.waiting and budget > 0 and len(self.running) < self.sched.max_num_seqs:
             req = self.waiting[0]
             if not self._fits(req):
                 if self.running:
                     break  # wait for running sequences to free blocks
+                if any(sc.make_room(self) for sc in self.scenarios):
+                    continue  # nothing runs: a scenario gives back KV it kept (a retained task's) and it is tried again
                 self.rejected.append(self.dequeue())
                 continue
             self.dequeue()
@@ -204,9 +224,11 @@ class Instance:
             if req.todo > 0:
                 take = min(req.todo, budget)
                 pieces.append((req, take))
+                self._take(req, req.context + take)
                 budget -= take
             else:
                 decoding.append(req)
+                self._take(req, req.context + 1)
                 budget -= 1
         prefills, contexts = [(take, r.context) for r, take in pieces], [r.context for r in decoding]
         step = self.latency.step_s(prefills, contexts)
@@ -223,14 +245,8 @@ class Instance:
                 mid = [r.context + (steps - 1) / 2 for r in decoding]  # KV grows linearly over the window
                 extra = sum(sc.step_extra_s(self, [], mid) for sc in self.scenarios)
                 step = (self.latency.step_s([], mid) + extra) * steps
-        grow = getattr(self.cache, "grow", None)
-        if grow is not None:  # a pool that takes blocks as a sequence's KV grows (vLLM's) takes this step's now
-            for r, take in pieces:
-                if r.cached_on == self.index:
-                    grow(r.row, r.context + take)
-            for r in decoding:
-                if r.cached_on == self.index:
-                    grow(r.row, r.context + steps)
+                for r in decoding:
+                    self._take(r, r.context + steps)
         self.stats["steps"] += steps
         return step + extra_s, pieces, decoding, steps
 
@@ -240,7 +256,7 @@ class Instance:
             return 1
         # blocks the window's later steps need (the first step's were taken above)
         more = sum(self.blocks_for(r.context + k) - self.blocks_for(r.context + 1) for r in decoding)
-        if self.used + more > self.pool:
+        if more > self._room():
             return 1  # the pool fills inside the window: step one at a time, preempting as needed
         return k  # finish_step takes the later steps' blocks, for as many steps as really ran
 

@@ -35,7 +35,7 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
         "hit_tokens_ssd": tokens(hits["ssd"]),
         "hit_tokens_global": tokens(hits["global"]),
         "evictions": evictions,
-        "scheduled_send_s": arrival,
+        "scheduled_send_s": np.array([r.scheduled if r.scheduled >= 0 else r.arrival for r in reqs]),
         "actual_send_s": arrival,
         "ttft_s": ttft,
         "tpot_s": tpot,

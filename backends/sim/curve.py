@@ -1,4 +1,4 @@
-"""One-pass hit-rate-vs-capacity curve of `lru` by LRU stack distances (docs/policies.md).
+"""One-pass hit-rate-vs-capacity curve of `lru` by LRU stack distances (docs/fidelity.md: why `vllm` has none).
 
 Block LRU references every block of a request in prompt order, so at any time a cache of C blocks holds exactly
 the C most recently referenced distinct keys. (`vllm` is not a stack algorithm: its pool holds anonymous blocks

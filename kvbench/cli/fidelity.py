@@ -171,7 +171,7 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     _modeled_trace(trace, live_dir / "requests.parquet", modeled_trace)
     sim_opts = {"policy": "vllm", "hardware": hardware, "model": sim_model, "hbm_capacity": str(capacity),
                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                "calibration": str(calibration), "share_lora_kv": True}  # fmt: skip
+                "calibration": str(calibration), "share_lora_kv": True, "max_concurrency": concurrency}  # fmt: skip
     model_dir, _ = run_replay(modeled_trace, "engine-sim", sim_opts, out=run_dir / "modeled")
     table = F.fidelity(pq.read_table(live_dir / "requests.parquet"), pq.read_table(model_dir / "requests.parquet"),
                        skip=skip_first)  # fmt: skip

@@ -44,6 +44,10 @@ class Scenario:
         """True to keep a finished request's blocks held (the scenario ends them later)."""
         return False
 
+    def make_room(self, inst) -> bool:
+        """A request does not fit `inst`'s pool: give back KV the scenario holds there (True if it did)."""
+        return False
+
     def admitted(self, inst, req) -> None:
         """A request was looked up and took its blocks on `inst`."""
 

@@ -2,7 +2,8 @@
 time). Reported per task (session): completion time and the peak KV its calls hold at once. With
 `--task-retention`, a finished call's blocks stay held (not evictable) until the next call of its task is
 scheduled, so a live task's context survives the think time (task-aware retention; it acts through policies
-that hold blocks, such as vllm, the default)."""
+that hold blocks, such as vllm, the default). Retained KV takes pool space: a request that does not fit waits
+for running ones to finish, and only when nothing runs does the longest-retained call give its KV back."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class AgentTasks(Scenario):
         self.task = trace.column("session_id").cast("string").to_pylist()
         self.bs = block_size
         self.released_at: dict[int, float] = {}
+        self.released_for_room = 0  # retained calls whose KV was given back because a request did not fit
 
     def retain(self, inst, req):
         if self.retention and self.waiting_succ[req.row] > 0:
@@ -62,6 +64,17 @@ class AgentTasks(Scenario):
                 del self.held[p]
                 holder.cache.end(p)
                 self.released_at[p] = inst.now
+
+    def make_room(self, inst) -> bool:
+        """Nothing runs and a request does not fit: the call retained longest gives its KV back."""
+        for p, holder in self.held.items():
+            if holder is inst:
+                del self.held[p]
+                holder.cache.end(p)
+                self.released_at[p] = inst.now
+                self.released_for_room += 1
+                return True
+        return False
 
     def summary(self, reqs, instances, prep, kv_bytes_block):
         tasks: dict[str, list] = {}
@@ -92,6 +105,7 @@ class AgentTasks(Scenario):
         return {
             "tasks": len(tasks),
             "task_retention": self.retention,
+            "retained_released_for_room": self.released_for_room,
             "completion_s": dist(completion),
             "peak_kv_bytes_per_task": dist(peaks),
         }

@@ -78,9 +78,9 @@ class MultimodalCache(Scenario):
         """Look for cached copies of a request's items before it is admitted, and record its own after."""
         cache, begin = inst.cache, inst.cache.begin
 
-        def begun(row):
+        def begun(row, **kw):
             self.found[(inst.index, row)] = self._reusable(inst, row)
-            hit = begin(row)
+            hit = begin(row, **kw)
             copies, keys = self.copies[inst.index], self._keys(row)
             for _, h, lo, hi in self.spans[row]:
                 if hi > lo:

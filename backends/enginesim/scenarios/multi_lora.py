@@ -99,15 +99,23 @@ class MultiLora(Scenario):
         def covered_lookup(row):
             return self._covered(cache, row, lookup(row))
 
-        def begun(row):
+        def begun(row, **kw):
             # the policy takes the base hit as usual (its blocks are held and reused in place, not stored twice);
             # the engine is told only what the adapter's deltas cover, and computes the rest
             covered = covered_lookup(row)
-            hit = begin(row)
+            hit = begin(row, **kw)
             self._admit_pages(cache, contains, admit_page, row)
             return min(hit, covered)
 
         cache.lookup, cache.begin = covered_lookup, begun
+        if hasattr(cache, "grow"):  # a slot pool caches the prompt as its chunks run: page it when it ends
+            end = cache.end
+
+            def ended(row, **kw):
+                self._admit_pages(cache, contains, admit_page, row)
+                end(row, **kw)
+
+            cache.end = ended
 
     def _covered(self, cache, row: int, hit: int) -> int:
         """Leading blocks of `row` (of its `hit` cached base blocks) whose delta for its adapter is cached too."""

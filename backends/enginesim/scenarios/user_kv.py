@@ -107,11 +107,11 @@ class UserKV(Scenario):
             hit, keys = lookup(row), self._keys(row)
             return next((pos for pos in range(hit) if not self._reachable((i, keys[pos]), inst.now)), hit)
 
-        def begun(row):
+        def begun(row, **kw):
             saved = self.prep.max_hit[row]
             self.prep.max_hit[row] = min(saved, looked_up(row))
             try:
-                hit = begin(row)
+                hit = begin(row, **kw)
             finally:
                 self.prep.max_hit[row] = saved
             keys = self._keys(row)

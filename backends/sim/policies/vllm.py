@@ -54,6 +54,7 @@ class VllmPool(PrefixCache):
         self.refs: list[int] = [0, 0]
         self.held: dict[int, list[int]] = {}  # running request -> its slots, in block order
         self.unhashed_from: dict[int, int] = {}  # running request -> its first block not hashed yet
+        self.extra: dict[int, list[int]] = {}  # running request -> slots it holds for keys outside its prompt
         self.bs = trace.block_size
         self.full_blocks = (trace.input_tokens // trace.block_size).tolist()
 
@@ -111,7 +112,7 @@ class VllmPool(PrefixCache):
         self.request = r
         first = []  # unhashed: to the head of the free queue, in this order
         self.unhashed_from.pop(r, None)
-        for slot in reversed(self.held.pop(r, [])):
+        for slot in [*reversed(self.held.pop(r, [])), *self.extra.pop(r, [])]:
             self.refs[slot] -= 1
             if self.refs[slot] == 0:
                 if self.slot_key[slot] == _EMPTY:
@@ -129,6 +130,19 @@ class VllmPool(PrefixCache):
             self.grow(r, kv_tokens[r])
             self.end(r)
         return self.out
+
+    def free_blocks(self) -> int:
+        """Slots no running request holds (cached or never used): what vLLM counts as free."""
+        return self.fresh + len(self.free) - (_FRESH in self.free)
+
+    def admission_need(self, r: int, tokens: int) -> int:
+        """Free slots request r needs to hold `tokens` tokens of KV, as vLLM's admission counts them: the blocks
+        its hit does not cover, and the hit blocks that sit in the free queue (holding them takes them off)."""
+        t = self.trace
+        hit = self.lookup(r)
+        keys = t.keys[t.offsets[r] : t.offsets[r] + hit].tolist()
+        evictable = sum(1 for key in keys if self.refs[self.copies[key][0]] == 0)
+        return evictable + max(0, -(-tokens // self.bs) - hit)
 
     # --- slots, also for keys outside the trace (engine-sim's LoRA delta pages) --------------------------------
     def take(self) -> int | None:
@@ -150,12 +164,12 @@ class VllmPool(PrefixCache):
         return slot
 
     def hold_key(self, r: int, key: int) -> bool:
-        """Hold a slot holding `key` for running request r (its oldest copy when cached, else a new slot that
-        then holds it); False when none is free. The slot is released with the request's own."""
-        mine = self.held[r]
+        """Hold a slot holding `key`, a key outside request r's prompt, while r runs (its oldest copy when cached,
+        else a new slot that then holds it); False when none is free. Released after the request's own blocks."""
+        mine = self.extra.setdefault(r, [])
         if key in self.copies:
             slot = self.copies[key][0]
-            if slot in mine:
+            if slot in mine or slot in self.held.get(r, ()):
                 return True
             if self.refs[slot] == 0:
                 del self.free[slot]
