@@ -113,6 +113,8 @@ def _modeled_trace(trace: Path, live_requests: Path, out: Path) -> int:
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="the engine's tokens per step (vLLM's CPU default is 2048)")  # fmt: skip
 @click.option("--hbm-capacity", help="the engine's KV pool in blocks [default: num_gpu_blocks from its /metrics]")
+@click.option("--block-size", type=click.IntRange(min=1),
+              help="the engine's KV block size in tokens [default: from its /metrics (vLLM's cache_config_info)]")  # fmt: skip
 @click.option("--sim-model", default="kvbench-tiny", show_default=True,
               help="engine-sim model geometry (a preset of kvbench.capacity, or from --specs)")  # fmt: skip
 @click.option("--hardware", default="cpu", show_default=True, help="engine-sim hardware preset")
@@ -120,8 +122,8 @@ def _modeled_trace(trace: Path, live_requests: Path, out: Path) -> int:
               help="requests (the first sent) left out of the error: an engine's first requests pay one-off costs")  # fmt: skip
 @click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<time>-fidelity-<trace>]")
 def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, concurrency, max_output_tokens,
-             calibration, calibrate_repeats, max_num_seqs, max_num_batched_tokens, hbm_capacity, sim_model, hardware,
-             skip_first, out):  # fmt: skip
+             calibration, calibrate_repeats, max_num_seqs, max_num_batched_tokens, hbm_capacity, block_size, sim_model,
+             hardware, skip_first, out):  # fmt: skip
     """How far engine-sim is from a live engine on the same requests: calibrate, replay live, replay modeled
     (the live send times, output lengths, scheduler limits and KV pool), and report per-request TTFT / TPOT /
     E2EL errors (MAPE, median ratio, p90) and cached-token exactness, overall, by workload and by tenant."""
@@ -140,9 +142,11 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
         server = asyncio.run(_server(url, model))
     except OSError as exc:
         raise KvbenchError(f"cannot reach {shown(url)} ({exc}); is the engine up? (`kvbench engine status`)") from None
-    block_size = server.get("block_size")
+    block_size = block_size or server.get("block_size")
     if not block_size:
-        raise KvbenchError(f"{shown(url)} does not say its KV block size in /metrics (vLLM's cache_config_info)")
+        raise KvbenchError(
+            f"{shown(url)} does not say its KV block size in /metrics (vLLM's cache_config_info); give --block-size"
+        )
     capacity = hbm_capacity or server.get("num_gpu_blocks")
     if not capacity:
         raise KvbenchError("give the engine's KV pool with --hbm-capacity BLOCKS (its /metrics does not say it)")
