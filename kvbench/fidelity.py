@@ -110,10 +110,27 @@ def metric_errors(measured: np.ndarray, modeled: np.ndarray) -> dict:
     }
 
 
+BURST_SHARE = 0.1  # a stream whose tokens came faster than this share of the run's median TPOT came in a burst
+
+
+def bursts(j: dict) -> np.ndarray:
+    """Requests whose tokens reached the client all at once (a starved client or server flushed the stream
+    late): their measured TTFT and TPOT say when the burst came, not when the engine made the tokens, so they
+    are left out of those two errors (E2EL, the last token's arrival, still counts) and counted apart."""
+    tpot = j["live_tpot_s"]
+    many = (j["output_tokens"] > 2) & np.isfinite(tpot)
+    if not many.any():
+        return np.zeros(len(tpot), dtype=bool)
+    return many & (tpot < BURST_SHARE * np.median(tpot[many]))
+
+
 def _errors(j: dict, mask: np.ndarray) -> dict:
-    out = {"requests": int(mask.sum())}
+    burst = bursts(j)
+    out = {"requests": int(mask.sum()), "burst_streams": int((burst & mask).sum())}
     for m in METRICS:
         sel = mask & (j["output_tokens"] > 1) if m == "tpot_s" else mask
+        if m != "e2el_s":
+            sel = sel & ~burst
         out[m.removesuffix("_s")] = metric_errors(j["live_" + m][sel], j["model_" + m][sel])
     if j["cached_tokens"] is not None and j["hit_tokens"] is not None:
         # only the requests whose server reported cached_tokens (and whose model reported hits) can be judged
@@ -165,7 +182,8 @@ def format_rows(table: dict) -> tuple[list[str], list[list[str]]]:
               "E2EL ratio", "cached exact"]  # fmt: skip
     body = []
     for label, e in rows(table):
-        cells = [label, str(e["requests"])]
+        burst = e.get("burst_streams")
+        cells = [label, f"{e['requests']}" + (f" ({burst} burst)" if burst else "")]
         for m in ("ttft", "tpot", "e2el"):
             x = e.get(m, {})
             if not x.get("requests"):

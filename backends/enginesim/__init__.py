@@ -82,7 +82,8 @@ class EngineSimBackend:
             ),
             click.Option(
                 ["--hbm-capacity"],
-                help="KV pool per instance: blocks, tokens (5M tok) or bytes (40GiB) "
+                help="KV pool per instance: blocks, tokens (5M tok) or bytes (40GiB); with --policy vllm the "
+                "engine's num_gpu_blocks, one of which is its null block "
                 "[default: what --gpu-memory-utilization of HBM leaves after the weights]",
             ),
             click.Option(

@@ -85,7 +85,8 @@ class SimBackend:
             click.Option(
                 ["--capacity"],
                 help="cache size(s), comma-separated: blocks (10000), tokens (5M tok) or "
-                "bytes (40GiB, needs --model); a list makes a sweep",
+                "bytes (40GiB, needs --model); a list makes a sweep. For vllm: the engine's KV blocks "
+                "(num_gpu_blocks), one of which is its null block",
             ),
             click.Option(
                 ["--model"],

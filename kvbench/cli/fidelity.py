@@ -116,8 +116,9 @@ def _modeled_trace(trace: Path, live_requests: Path, out: Path) -> int:
 @click.option("--block-size", type=click.IntRange(min=1),
               help="the engine's KV block size in tokens [default: from its /metrics (vLLM's cache_config_info)]")  # fmt: skip
 @click.option("--sim-model", default="kvbench-tiny", show_default=True,
-              help="engine-sim model geometry (a preset of kvbench.capacity, or from --specs)")  # fmt: skip
-@click.option("--hardware", default="cpu", show_default=True, help="engine-sim hardware preset")
+              help="engine-sim model geometry: bytes of KV per token (a preset of kvbench.capacity)")  # fmt: skip
+@click.option("--hardware", default="cpu", show_default=True,
+              help="engine-sim hardware preset (its transfer bandwidths; the calibration replaces its step times)")  # fmt: skip
 @click.option("--skip-first", type=click.IntRange(min=0), default=2, show_default=True,
               help="requests (the first sent) left out of the error: an engine's first requests pay one-off costs")  # fmt: skip
 @click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<time>-fidelity-<trace>]")

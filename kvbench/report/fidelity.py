@@ -45,7 +45,9 @@ def explanation(skipped_first: int = 0) -> str:
     return (
         "Per request APE = |modeled − measured| / measured; MAPE is its mean over the requests, p90 APE its 90th "
         "percentile, ratio the median modeled/measured (1 is exact, below 1 the model is too fast). Counted: "
-        f"the requests answered ok by both runs{skipped}; TPOT only for outputs of more than one token; cached "
+        f"the requests answered ok by both runs{skipped}; TPOT only for outputs of more than one token; TTFT and "
+        "TPOT leave out streams that reached the client in one burst (a starved client or server: the times say "
+        "when the burst came, not when the tokens were made; counted as burst streams); cached "
         "exact: requests whose modeled hit tokens equal the server's reported cached_tokens. "
         f"Targets (docs/fidelity.md): TTFT MAPE ≤ {MAPE_TARGETS['ttft']:.0%}, E2EL MAPE ≤ "
         f"{MAPE_TARGETS['e2el']:.0%}, ratios within {RATIO_BAND[0]}–{RATIO_BAND[1]}; for scale, {PEER}. "

@@ -176,7 +176,7 @@ def test_model_vs_measurement_table(runs):
     assert e["tpot"]["mape"] == pytest.approx(0.2) and e["tpot"]["median_ratio"] == pytest.approx(0.8)
     assert e["e2el"]["mape"] == pytest.approx(0.05) and e["e2el"]["median_ratio"] == pytest.approx(1.05)
     assert e["cached_tokens"]["exact"] == 40 and e["cached_tokens"]["requests"] == 40
-    row = "| all | 40 | 10.0% | 1.100 | 10.0% | 20.0% | **0.800** | 5.0% | 1.050 | 40/40 |"
+    row = "| all | 40 (4 burst) | 10.0% | 1.100 | 10.0% | 20.0% | **0.800** | 5.0% | 1.050 | 40/40 |"
     r = invoke("compare", runs / LIVE, modeled)  # the terminal
     assert r.exit_code == 0 and "## Model vs measurement" in r.stdout and row in r.stdout
     assert "modeled:model (engine-sim) against chat40-live:" in r.stdout
@@ -184,7 +184,7 @@ def test_model_vs_measurement_table(runs):
     r = invoke("compare", runs / LIVE, modeled, "--out", "out", "--skip-first", "5")
     assert r.exit_code == 0, r.output
     md, html = Path("out/compare.md").read_text(), Path("out/compare.html").read_text()
-    assert "## Model vs measurement" in md and "| all | 35 | 10.0% |" in md and "first 5 requests sent left out" in md
+    assert "## Model vs measurement" in md and "| all | 35 (4 burst) | 10.0% |" in md and "first 5 requests sent left out" in md
     assert "<h2 id='model-vs-measurement'>Model vs measurement</h2>" in html
     assert html.count("class='off'") == 1 and "<td class='off' style='background:#fbe1dd;font-weight:600' " \
         "title='off target'>0.800</td>" in html and "**" not in html  # fmt: skip

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import KvbenchError
+from kvbench import fidelity as F
 from kvbench.fidelity import fidelity, format_rows, join, rows
 from kvbench.report.fidelity import fidelity_html, fidelity_markdown, off_target
 
@@ -189,3 +192,24 @@ def test_rendered_table_highlights_what_misses_the_targets(tables):
     for text in (md, page):
         assert "TTFT MAPE ≤ 20%" in text and "E2EL MAPE ≤ 10%" in text and "0.85–1.15" in text
         assert "22.8% TTFT and 11.8% E2E MAPE over 38 vLLM experiments" in text
+
+
+def test_a_stream_that_came_in_one_burst_counts_for_e2el_only():
+    """Nine streams at 10 ms a token and one whose 20 tokens all arrived within 0.1 ms (a starved client): the
+    burst's TTFT and TPOT say when it was flushed, so they stay out of those errors; its E2EL still counts."""
+    n = 10
+    live_ttft = np.full(n, 0.1)
+    live_tpot = np.full(n, 0.01)
+    live_tpot[3], live_ttft[3] = 0.1e-3 / 19, 0.29  # tokens 1..20 within 0.1 ms, at 0.29 s
+    j = {
+        "output_tokens": np.full(n, 20),
+        "live_ttft_s": live_ttft, "model_ttft_s": np.full(n, 0.1),
+        "live_tpot_s": live_tpot, "model_tpot_s": np.full(n, 0.01),
+        "live_e2el_s": live_ttft + 19 * live_tpot, "model_e2el_s": np.full(n, 0.29),
+        "cached_tokens": None, "hit_tokens": None,
+    }  # fmt: skip
+    assert F.bursts(j).tolist() == [i == 3 for i in range(n)]
+    e = F._errors(j, np.ones(n, dtype=bool))
+    assert e["burst_streams"] == 1 and e["ttft"]["requests"] == e["tpot"]["requests"] == 9 == n - 1
+    assert e["ttft"]["mape"] == 0 and e["tpot"]["mape"] == pytest.approx(0)
+    assert e["e2el"]["requests"] == n and e["e2el"]["mape"] == pytest.approx(0, abs=1e-3)
