@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -72,7 +71,20 @@ def generate(work: Path) -> dict[str, Path]:
 def one(trace: Path, url: str, calib: Path, conc: int, n: int, out: Path) -> dict:
     kvbench("fidelity", trace, "--url", url, "--calibration", calib, "--concurrency", conc, "--requests", n,
             "--out", out)  # fmt: skip
-    overall = json.loads((out / "summary.json").read_text())["fidelity"]["overall"]
+    return errors(out)
+
+
+def errors(out: Path) -> dict:
+    """The overall errors of one `kvbench fidelity` run directory, computed again from its requests (so that a
+    table re-derived later with `--reuse` uses the same code as a fresh one)."""
+    import pyarrow.parquet as pq
+
+    from kvbench.fidelity import fidelity
+
+    skip = json.loads((out / "summary.json").read_text())["fidelity"]["skipped_first"]
+    live, modeled = (pq.read_table(out / side / "requests.parquet") for side in ("live", "modeled"))
+    table = fidelity(live, modeled, skip=skip)
+    overall = table["overall"]
     return {
         "ttft_mape": overall["ttft"]["mape"],
         "ttft_mean_ratio": overall["ttft"]["mean_ratio"],
@@ -83,7 +95,8 @@ def one(trace: Path, url: str, calib: Path, conc: int, n: int, out: Path) -> dic
         "e2el_mean_ratio": overall["e2el"]["mean_ratio"],
         "cached_exact": overall["cached_tokens"]["exact_share"],
         "requests": overall["requests"],
-        "load_avg": os.getloadavg()[0],
+        "burst_streams": overall["burst_streams"],
+        "load_avg_1min": json.loads((out / "summary.json").read_text()).get("load_avg_1min"),
     }
 
 
@@ -111,7 +124,10 @@ def main() -> None:
     ap.add_argument("--small-pool-url", default=None, help="a second engine with a forced small KV pool")
     ap.add_argument("--small-pool-concurrency", default="4,16", help="concurrencies replayed against it")
     ap.add_argument("--keep", type=Path, help="keep the run directories here")
+    ap.add_argument("--reuse", type=Path, help="re-derive the tables from the run directories kept in this folder")
     args = ap.parse_args()
+    if args.reuse:
+        return report(args, *reuse(args.reuse), url="(reused runs)", seconds=0)
     url = args.url
     if url is None:
         from kvbench import engines
@@ -141,6 +157,23 @@ def main() -> None:
                     out = work / f"r{rnd}-{name}-c{conc}-small"
                     small.setdefault(key, []).append(one(traces[name], args.small_pool_url, calib, conc,
                                                          args.requests, out))  # fmt: skip
+    report(args, runs, small, url=url, seconds=round(time.time() - t0))
+
+
+def reuse(folder: Path) -> tuple[dict, dict]:
+    """Run directories r<round>-<trace>-c<conc>[-small] of an earlier `--keep` folder, by key."""
+    runs: dict[str, list[dict]] = {}
+    small: dict[str, list[dict]] = {}
+    for d in sorted(folder.glob("r*-c*")):
+        if not (d / "summary.json").exists():
+            continue  # an interrupted run
+        stem = d.name.removesuffix("-small")
+        name, conc = stem.split("-", 1)[1].rsplit("-c", 1)
+        (small if d.name.endswith("-small") else runs).setdefault(f"{name}@{conc}", []).append(errors(d))
+    return runs, small
+
+
+def report(args, runs: dict, small: dict, url: str, seconds: int) -> None:
     medians = {k: {key: median(v, key) for key in v[0]} for k, v in runs.items()}
     for m in medians.values():
         m["targets_met"] = met(m)
@@ -156,8 +189,8 @@ def main() -> None:
     RESULTS.write_text(json.dumps({
         "command": "python benchmarks/fidelity.py " + shlex.join(sys.argv[1:]),
         "engine": url.split("://")[-1],
-        "rounds": args.rounds, "requests": args.requests, "concurrency": concs,
-        "targets": TARGETS, "traces": TRACES, "seconds": round(time.time() - t0),
+        "rounds": args.rounds, "requests": args.requests, "concurrency": args.concurrency,
+        "targets": TARGETS, "traces": TRACES, "seconds": seconds,
         "medians": medians, "small_pool": small_exact, "per_round": runs, "per_round_small_pool": small,
     }, indent=1))  # fmt: skip
     print(f"wrote {RESULTS}")

@@ -75,7 +75,13 @@ def _cache_aware(instances, req, state):
 
 
 def simulate(
-    instances: list[Instance], reqs: list[Req], route: str, successors=None, think=None, scenarios=(), max_in_flight=None
+    instances: list[Instance],
+    reqs: list[Req],
+    route: str,
+    successors=None,
+    think=None,
+    scenarios=(),
+    max_in_flight=None,
 ) -> dict:
     """Run every request to completion. `successors[r]`: rows that wait for r (closed loop); a row with
     predecessors arrives when the last of them finishes plus its think time. `max_in_flight`: the client's

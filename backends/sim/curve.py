@@ -2,7 +2,8 @@
 
 Block LRU references every block of a request in prompt order, so at any time a cache of C blocks holds exactly
 the C most recently referenced distinct keys. (`vllm` is not a stack algorithm: its pool holds anonymous blocks
-for generated tokens and duplicate copies, so its hit rate at C blocks is not a function of stack depths.) One pass over the trace gives, for every block of every request, its
+for generated tokens and duplicate copies, so its hit rate at C blocks is not a function of stack depths.)
+One pass over the trace gives, for every block of every request, its
 *lookup depth*: its position in the LRU stack when the request arrives (1 = most recent; never referenced =
 infinite). Block i then hits at capacity C iff blocks 0..i all have depth <= C (the prefix rule) and
 i < max_hit. The pass keeps, per block, the running maximum of those depths over blocks 0..i, so the hit

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import json
+import os
 import secrets
 import shlex
 import subprocess
@@ -29,7 +30,7 @@ WORKLOADS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
 def _kvbench(*args) -> None:
     """Run a kvbench subcommand in its own process (its progress goes to the terminal); fail with its message."""
     cmd = [sys.executable, "-c", "import sys; from kvbench.cli import main; sys.exit(main())", *map(str, args)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise KvbenchError(f"`kvbench {shlex.join(map(str, args))}` failed: {' '.join(tail)}")
@@ -114,14 +115,14 @@ def _modeled_trace(trace: Path, live_requests: Path, out: Path) -> int:
               help="the engine's tokens per step (vLLM's CPU default is 2048)")  # fmt: skip
 @click.option("--hbm-capacity", help="the engine's KV pool in blocks [default: num_gpu_blocks from its /metrics]")
 @click.option("--block-size", type=click.IntRange(min=1),
-              help="the engine's KV block size in tokens [default: from its /metrics (vLLM's cache_config_info)]")  # fmt: skip
+              help="the engine's KV block size in tokens [default: from its /metrics]")  # fmt: skip
 @click.option("--sim-model", default="kvbench-tiny", show_default=True,
               help="engine-sim model geometry: bytes of KV per token (a preset of kvbench.capacity)")  # fmt: skip
 @click.option("--hardware", default="cpu", show_default=True,
-              help="engine-sim hardware preset (its transfer bandwidths; the calibration replaces its step times)")  # fmt: skip
+              help="engine-sim hardware preset (the calibration replaces its step times)")  # fmt: skip
 @click.option("--skip-first", type=click.IntRange(min=0), default=2, show_default=True,
-              help="requests (the first sent) left out of the error: an engine's first requests pay one-off costs")  # fmt: skip
-@click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<time>-fidelity-<trace>]")
+              help="requests (the first sent) left out of the error: first requests pay one-off costs")  # fmt: skip
+@click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<time>-fidelity-<name>]")
 def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, concurrency, max_output_tokens,
              calibration, calibrate_repeats, max_num_seqs, max_num_batched_tokens, hbm_capacity, block_size, sim_model,
              hardware, skip_first, out):  # fmt: skip
@@ -151,8 +152,10 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     capacity = hbm_capacity or server.get("num_gpu_blocks")
     if not capacity:
         raise KvbenchError("give the engine's KV pool with --hbm-capacity BLOCKS (its /metrics does not say it)")
+    # the machine's load while it ran (a shared machine moves the live side): 1-minute load average, start and end
     summary = {"command": "kvbench fidelity " + shlex.join(sys.argv[2:]), "created": stamp,
-               "endpoint": host_port(url), "server": server, "complete": False}  # fmt: skip
+               "endpoint": host_port(url), "server": server, "complete": False,
+               "load_avg_1min": [round(os.getloadavg()[0], 2)]}  # fmt: skip
     if not trace_path:
         seed = seed if seed is not None else secrets.randbits(31)
         trace_path = run_dir / f"generated-{workload}.parquet"
@@ -180,10 +183,12 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     model_dir, _ = run_replay(modeled_trace, "engine-sim", sim_opts, out=run_dir / "modeled")
     table = F.fidelity(pq.read_table(live_dir / "requests.parquet"), pq.read_table(model_dir / "requests.parquet"),
                        skip=skip_first)  # fmt: skip
+    summary["load_avg_1min"].append(round(os.getloadavg()[0], 2))
     summary.update({"live": "live", "modeled": "modeled", "fidelity": table, "complete": True,
                     "settings": {"concurrency": concurrency, "max_output_tokens": max_output_tokens,
                                  "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                                 "hbm_capacity_blocks": int(capacity), "sim_model": sim_model, "hardware": hardware}})  # fmt: skip
+                                 "hbm_capacity_blocks": int(capacity), "sim_model": sim_model,
+                                 "hardware": hardware}})  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _write_reports(run_dir, summary)
     _print(table)

@@ -23,13 +23,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.errors import KvbenchError
 from kvbench import fidelity as F
+from kvbench.errors import KvbenchError
 from kvbench.fidelity import fidelity, format_rows, join, rows
 from kvbench.report.fidelity import fidelity_html, fidelity_markdown, off_target
 

@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
 from kvbench.backends.sim.policies import vllm
 from kvbench.backends.sim.prepared import prepare
+
 from kvbench.generators import get
 from kvbench.prompts import prompt_tokens, rebase_blocks
 from kvbench.schema import MM_ITEM, conform

@@ -7,7 +7,6 @@ invariants along the way.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
