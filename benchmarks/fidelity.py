@@ -118,6 +118,7 @@ def met(m: dict) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--first-round", type=int, default=0, help="number of the first round (to add rounds to --keep)")
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--url", default=None, help="engine URL [default: the running vllm-cpu engine]")
@@ -139,11 +140,13 @@ def main() -> None:
     concs = [int(c) for c in args.concurrency.split(",")]
     work = args.keep or Path(tempfile.mkdtemp(prefix="kvbench-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
-    traces = generate(work)
+    traces = {name: work / f"{name}.parquet" for name in TRACES}
+    if not all(p.exists() for p in traces.values()):
+        traces = generate(work)  # (kept traces are reused: the same seeds give the same files)
     runs: dict[str, list[dict]] = {}
     small: dict[str, list[dict]] = {}
     t0 = time.time()
-    for rnd in range(args.rounds):
+    for rnd in range(args.first_round, args.first_round + args.rounds):
         calib = calibrate(url, work / f"calibration-{rnd}.toml")
         names = list(traces)
         names = names[rnd % len(names) :] + names[: rnd % len(names)]  # alternate the order between rounds

@@ -86,6 +86,7 @@ class Plan:
 class BlockStore:
     def __init__(self, cache, capacity: int, dram: int, ssd: int, write_through: bool, slack: int):
         self.cache, self.log = cache, []
+        self._kv_tokens = None  # (per request: tokens of KV an engine computes, for pools that hold them all)
         self.hbm = SlotMap(capacity, slack)
         self.dram = SlottedTier("dram", dram, 2 * slack, self.log)
         self.ssd = SlottedTier("ssd", ssd, 2 * slack, self.log)
@@ -119,6 +120,10 @@ class BlockStore:
         return hit, self._plan(keys, hit_slots, found)
 
     def end(self, r: int) -> None:
+        if hasattr(self.cache, "grow"):  # vLLM's pool holds the blocks of generated tokens too, until the end
+            if self._kv_tokens is None:
+                self._kv_tokens = self.cache.trace.kv_tokens()
+            self.cache.grow(r, int(self._kv_tokens[r]))
         self.cache.end(r)
 
     def _slots(self) -> dict[str, dict[int, int]]:

@@ -175,7 +175,7 @@ def test_curve_with_belady_bound(tmp_path):
     r = kvbench("replay", CHAT, "--policy", "lru,vllm", "--curve", "--out", out)
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
-    assert [c["policy"] for c in s["curves"]] == ["lru", "vllm"]
+    assert [c["policy"] for c in s["curves"]] == ["lru"]  # (vllm is not a stack algorithm: no one-pass curve)
     for c in s["curves"]:
         assert np.all(np.diff(c["capacity_blocks"]) > 0)
         assert np.all(np.diff(c["token_steady"]) >= 0)  # more cache never hurts a stack policy
