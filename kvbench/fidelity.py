@@ -110,7 +110,9 @@ def metric_errors(measured: np.ndarray, modeled: np.ndarray) -> dict:
     }
 
 
-BURST_SHARE = 0.1  # a stream whose tokens came faster than this share of the run's median TPOT came in a burst
+# a stream whose tokens came faster than this share of the run's 90th-percentile TPOT came in a burst (a
+# percentile high enough that bursts, however many, do not move it)
+BURST_SHARE = 0.1
 
 
 def bursts(j: dict) -> np.ndarray:
@@ -121,7 +123,7 @@ def bursts(j: dict) -> np.ndarray:
     many = (j["output_tokens"] > 2) & np.isfinite(tpot)
     if not many.any():
         return np.zeros(len(tpot), dtype=bool)
-    return many & (tpot < BURST_SHARE * np.median(tpot[many]))
+    return many & (tpot < BURST_SHARE * np.percentile(tpot[many], 90))
 
 
 def _errors(j: dict, mask: np.ndarray) -> dict:
