@@ -101,7 +101,7 @@ def errors(out: Path) -> dict:
 
 
 def median(rounds: list[dict], key: str):
-    values = [r[key] for r in rounds if r.get(key) is not None]
+    values = [r[key] for r in rounds if isinstance(r.get(key), int | float)]
     return statistics.median(values) if values else None
 
 
@@ -177,7 +177,7 @@ def reuse(folder: Path) -> tuple[dict, dict]:
 
 
 def report(args, runs: dict, small: dict, url: str, seconds: int) -> None:
-    medians = {k: {key: median(v, key) for key in v[0]} for k, v in runs.items()}
+    medians = {k: {key: median(v, key) for key in v[0] if key != "load_avg_1min"} for k, v in runs.items()}
     for m in medians.values():
         m["targets_met"] = met(m)
     small_exact = {k: {"cached_exact_median": median(v, "cached_exact"),
