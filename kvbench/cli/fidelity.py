@@ -68,7 +68,8 @@ def _prepare_trace(src: Path, out: Path, n: int, max_out: int, max_len: int | No
 
 def _modeled_trace(trace: Path, live_requests: Path, out: Path) -> int:
     """The trace's requests that the live run answered, arriving when the live run sent them."""
-    live = pq.read_table(live_requests).filter(pc.equal(pq.read_table(live_requests)["status"], "ok"))
+    live = pq.read_table(live_requests)
+    live = live.filter(pc.equal(live["status"], "ok"))
     sent = dict(zip(live["request_id"].to_pylist(), live["actual_send_s"].to_pylist(), strict=True))
     table = pq.read_table(trace)
     meta = table.schema.metadata
