@@ -81,7 +81,8 @@ def errors(out: Path) -> dict:
 
     from kvbench.fidelity import fidelity
 
-    skip = json.loads((out / "summary.json").read_text())["fidelity"]["skipped_first"]
+    summary = json.loads((out / "summary.json").read_text())
+    skip = summary["fidelity"]["skipped_first"]
     live, modeled = (pq.read_table(out / side / "requests.parquet") for side in ("live", "modeled"))
     table = fidelity(live, modeled, skip=skip)
     overall = table["overall"]
@@ -96,7 +97,7 @@ def errors(out: Path) -> dict:
         "cached_exact": overall["cached_tokens"]["exact_share"],
         "requests": overall["requests"],
         "burst_streams": overall["burst_streams"],
-        "load_avg_1min": json.loads((out / "summary.json").read_text()).get("load_avg_1min"),
+        "load_avg_1min": summary.get("load_avg_1min"),
     }
 
 

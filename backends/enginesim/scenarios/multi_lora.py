@@ -172,7 +172,9 @@ class MultiLora(Scenario):
 def _page_admitter(cache):
     """`admit(row, page)`: take (or touch) a delta page for request `row`, through the policy's own admission."""
     if hasattr(cache, "hold_key"):
-        return _SlotPages(cache).admit  # vLLM's slot pool
+        # vLLM's slot pool: a page is held like a hit block (or takes the free queue's head like a computed one)
+        # and is released with the request's blocks
+        return cache.hold_key
     from ...sim.policies._trie import TrieReference
 
     if type(cache).admit is PrefixCache.admit or isinstance(cache, TrieReference):
@@ -181,15 +183,3 @@ def _page_admitter(cache):
             "outside the trace: use vllm, lru, fifo, lfu or s3fifo"
         )
     return lambda row, page: cache.admit(page, 0)  # as a block after the hit: cached, touched or evicting
-
-
-class _SlotPages:
-    """Pages in vLLM's slot pool: a cached page's oldest slot is held as a hit block is; a new page takes the
-    head of the free queue (evicting what it held) as a computed block does; the request's page slots are
-    released with its own blocks when it ends (they are hashed: to the tail of the free queue)."""
-
-    def __init__(self, pool):
-        self.pool = pool
-
-    def admit(self, row, page):
-        self.pool.hold_key(row, page)  # (none free: the page is not cached, the adapter recomputes next time)
