@@ -162,7 +162,10 @@ def test_a_poor_fit_is_an_error_that_says_what_to_do_unless_forced(tmp_path):
     assert "--repeats" in msg and "--force" in msg and "nothing else runs" in msg
     cal = C.fit(result, force=True)
     assert cal.forced and cal.warnings and "decode rows fit badly" in cal.warnings[0]
-    data = tomllib.loads(C.write(tmp_path / "forced.toml", result, cal).read_text())
+    text = C.write(tmp_path / "forced.toml", result, cal).read_text()
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert any(line.startswith("# FORCED (--force)") for line in header)  # a reader sees it before the numbers
+    data = tomllib.loads(text)
     assert data["measurements"]["forced"] is True and data["measurements"]["fit"]["forced"] is True
     assert "decode rows fit badly" in data["measurements"]["fit_warnings"][0]
     assert set(data["calibration"]) == set(C.TERMS)
