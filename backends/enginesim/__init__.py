@@ -270,17 +270,17 @@ class EngineSimBackend:
     def config(self) -> dict:
         return dict(self.settings)
 
-    def _blocks(self, text: str, bs: int) -> int:
+    def _blocks(self, text: str, bs: int, option: str) -> int:
         if str(text).strip() in ("", "0"):
             return 0
         from kvbench.capacity import MODELS
 
         model = self.model.name if self.model.name in MODELS else None  # --specs models: blocks or tokens
-        return parse_capacity(str(text), bs, model, self.kv_dtype).blocks
+        return parse_capacity(str(text), bs, model, self.kv_dtype, option).blocks
 
     def pool_blocks(self, bs: int) -> int:
         if self.settings["hbm_capacity"]:
-            return self._blocks(self.settings["hbm_capacity"], bs)
+            return self._blocks(self.settings["hbm_capacity"], bs, "--hbm-capacity")
         blocks = self.latency.kv_capacity_tokens(self.settings["gpu_memory_utilization"]) // bs
         if blocks <= 0:
             raise KvbenchError(
@@ -304,7 +304,7 @@ class EngineSimBackend:
         prep = prepare(keyed, bs, use_salt=s["salt"], share_lora=share_lora, vllm_cap=pol.name == "vllm")
         pool_blocks = self.pool_blocks(bs)
         kvb = self.latency.kv_bytes_per_token * bs
-        pool_size = self._blocks(s["global_pool"], bs)
+        pool_size = self._blocks(s["global_pool"], bs, "--global-pool")
         pool = None
         if pool_size:
             pool_bw = s["pool_bandwidth_gbps"] * 1e9
@@ -313,8 +313,8 @@ class EngineSimBackend:
         for i in range(s["instances"]):
             cache = pol.cache(prep, pool_blocks, {})
             tiers = TierStack(
-                Tier("dram", self._blocks(s["dram"], bs), self.hw.host_to_device_bw),
-                Tier("ssd", self._blocks(s["ssd"], bs), self.hw.ssd_to_device_bw),
+                Tier("dram", self._blocks(s["dram"], bs, "--dram"), self.hw.host_to_device_bw),
+                Tier("ssd", self._blocks(s["ssd"], bs, "--ssd"), self.hw.ssd_to_device_bw),
                 pool,
                 s["write_through"],
             )

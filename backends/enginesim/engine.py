@@ -41,6 +41,7 @@ class Req:
     cached_on: int = -1  # the instance whose prefix cache holds this request's blocks while it runs
     handoff: bool = False  # disaggregated: prefilled elsewhere, its KV moved here to decode
     scheduled: float = -1.0  # trace time when a client concurrency limit held it back (its send is `arrival`)
+    rejected_for: str = ""  # why the pool could never hold it: its prompt, or the output it grew to
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Instance:
         self.born: dict[int, float] = {}  # cached block -> when HBM admitted it
         self.lifetimes: list[float] = []  # seconds each evicted block stayed in HBM
         self.window = None  # (token, start, seconds per iteration, iterations, pieces, decoding) in flight
-        self.rejected: list[Req] = []  # prompts larger than the whole pool: they could never run
+        self.rejected: list[Req] = []  # requests larger than the whole pool: they could never run
         self.rejected_seen = 0  # (how many of them the client's in-flight count has given back)
         self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_bytes": 0, "load_bytes": {}, "steps": 0}
 
@@ -146,6 +147,17 @@ class Instance:
         need = self.blocks_for((req.context if req.swapped else 0) + req.n_in + req.generated + 1)
         return need <= self._room()
 
+    def _rejection(self, req: Req) -> str:
+        """What did not fit the empty pool: a request that was preempted after generating had a prompt that
+        fitted, so its output is to blame, not its prompt."""
+        pool = f"the instance's KV pool ({self.pool} blocks of {self.bs} tokens)"
+        if req.generated:
+            return (
+                f"output does not fit: prompt ({req.n_in} tokens) plus the {req.generated} tokens generated "
+                f"before preemption (of {req.n_out}) exceed {pool}"
+            )
+        return f"prompt ({req.n_in} tokens) larger than {pool}"
+
     def _room(self) -> int:
         """Blocks free for new KV: in a slot pool (vLLM's) its free queue, cached blocks no request holds
         included; otherwise the pool less the blocks running sequences hold."""
@@ -218,6 +230,7 @@ class Instance:
                 if any(sc.make_room(self) for sc in self.scenarios):
                     continue  # nothing runs: a scenario gives back KV it kept (a retained task's) and it is tried again
                 self.rejected.append(self.dequeue())
+                req.rejected_for = self._rejection(req)
                 continue
             self.dequeue()
             extra_s += self._admit(req, now)

@@ -43,7 +43,7 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
         "queue_s": start - arrival,
         "warmup": np.zeros(n, dtype=bool),
         "status": np.where(ok, "ok", "error"),
-        "error": np.where(ok, None, "prompt larger than the instance's KV pool"),
+        "error": np.array([None if r.finish >= 0 else r.rejected_for or "rejected" for r in reqs], dtype=object),
     }
     tenants = prep.tenant_names
     latency = latency_summary(ttft, tpot, e2el, n_out, [tenants[t] for t in prep.tenant], send=arrival, ok=ok)
