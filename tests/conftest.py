@@ -1,5 +1,6 @@
 import math
 import os
+import uuid
 from pathlib import Path
 
 # Imported up front: when a run used no hypothesis test, the hypothesis plugin imported it at the very end,
@@ -11,6 +12,44 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Public traces live beside the repository (../shared/traces), or wherever KVBENCH_SHARED points.
 SHARED_TRACES = Path(os.environ.get("KVBENCH_SHARED", REPO.parent / "shared")) / "traces"
+
+
+# --- engines: a session stops those it started ---------------------------------------------------------
+# Every engine started during the session (by a fixture, `kvbench demo --live` or a sweep in a subprocess, ...)
+# records this session's token as its owner (kvbench.engines.base.OWNER_ENV, inherited by subprocesses); at the
+# end the session stops those, and only those. One that already ran (CI's .ci/start-engines, a developer's) is
+# left running, even if a test restarted it with other settings and put it back (a restart keeps the owner).
+_OWNER = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+_previous_owner = None
+_stopped: list[str] = []
+
+
+def pytest_sessionstart(session):
+    global _previous_owner
+    from kvbench.engines.base import OWNER_ENV
+
+    _previous_owner = os.environ.get(OWNER_ENV)
+    os.environ[OWNER_ENV] = _OWNER
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from kvbench import engines
+    from kvbench.engines.base import OWNER_ENV
+
+    try:
+        stopped = engines.stop_owned(_OWNER)
+    finally:
+        if _previous_owner is None:
+            os.environ.pop(OWNER_ENV, None)
+        else:
+            os.environ[OWNER_ENV] = _previous_owner
+    if stopped:
+        _stopped.append(", ".join(f"{n} ({r})" for n, r in stopped.items()))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _stopped:
+        terminalreporter.write_line(f"stopped the engines this test session started: {line}")
 
 
 def shared_trace(relative: str) -> Path:

@@ -5,6 +5,7 @@
     info = engines.running("vllm-cpu")     # EngineInfo of a live, healthy engine, or None
     engines.status()                       # one dict per known engine
     engines.down("vllm-cpu")
+    engines.stop_owned(token)              # stop those started with $KVBENCH_ENGINE_OWNER=token (test sessions)
 
 Each engine runs detached in its own process group and is recorded in `<engine dir>/state.json`, so a
 later process (another CLI call, a test session) finds it through `running(name)`. See `base.py` for where
@@ -21,7 +22,18 @@ from .base import EngineError, EngineInfo, Progress, engine_dir, engines_root
 
 ENGINES: dict[str, ModuleType] = {vllm_cpu.NAME: vllm_cpu, llama_cpp.NAME: llama_cpp}
 
-__all__ = ["ENGINES", "EngineError", "EngineInfo", "down", "engine_dir", "engines_root", "running", "status", "up"]
+__all__ = [
+    "ENGINES",
+    "EngineError",
+    "EngineInfo",
+    "down",
+    "engine_dir",
+    "engines_root",
+    "running",
+    "status",
+    "stop_owned",
+    "up",
+]
 
 
 def _spec(name: str) -> ModuleType:
@@ -89,6 +101,7 @@ def up(
 
 def _up_locked(name, spec, settings, restart, progress, timeout_s) -> EngineInfo:
     current = _alive(name)
+    owner = base.current_owner()
     if current is not None:
         if current.settings == settings:
             return _wait_healthy(current, progress, timeout_s)
@@ -100,6 +113,7 @@ def _up_locked(name, spec, settings, restart, progress, timeout_s) -> EngineInfo
                 f"stop it with `kvbench engine down {name}` or pass --restart"
             )
         _down_locked(name, base.STOP_GRACE_S)
+        owner = current.owner  # a restart keeps the engine whoever's it was (a test restarting CI's leaves it CI's)
     port = settings["port"]
     for other in ENGINES:
         info = _alive(other) if other != name else None
@@ -124,6 +138,7 @@ def _up_locked(name, spec, settings, restart, progress, timeout_s) -> EngineInfo
         progress=progress,
         timeout_s=timeout_s,
         hint=spec.hint(),
+        owner=owner,
     )
 
 
@@ -145,9 +160,20 @@ def _down_locked(name: str, grace_s: float) -> str:
     return result
 
 
+def stop_owned(owner: str, grace_s: float = base.STOP_GRACE_S) -> dict[str, str]:
+    """Stop every engine recorded as started with $KVBENCH_ENGINE_OWNER=`owner` (base.OWNER_ENV); engines of
+    anyone else are left running. Returns {name: "stopped" | "killed"} of those it stopped."""
+    stopped = {}
+    for name in ENGINES:
+        info = _alive(name)
+        if info is not None and owner and info.owner == owner:
+            stopped[name] = down(name, grace_s)
+    return stopped
+
+
 def status() -> list[dict]:
     """One dict per known engine: engine, running, healthy, pid, url, model, block_size, uptime_s, rss_bytes,
-    log_path (None where not recorded)."""
+    log_path, owner (None where not recorded)."""
     rows = []
     for name in ENGINES:
         info = base.read_state(name)
@@ -164,9 +190,10 @@ def status() -> list[dict]:
             "uptime_s": None,
             "rss_bytes": None,
             "log_path": str(engine_dir(name) / base.LOG_FILE) if info is None else info.log_path,
+            "owner": None,
         }
         if info is not None:
-            row.update(pid=info.pid, url=info.url, model=info.model, block_size=info.block_size)
+            row.update(pid=info.pid, url=info.url, model=info.model, block_size=info.block_size, owner=info.owner)
             if alive:
                 row.update(uptime_s=round(info.uptime_s, 1), rss_bytes=base.rss_bytes(info.pid))
         rows.append(row)

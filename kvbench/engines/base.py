@@ -32,6 +32,10 @@ INSTALL_LOG = "install.log"
 HEALTH_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 30
+# Who started an engine: `launch` records this variable's value in the state file, and `stop_owned(value)` stops
+# the engines that carry it. A test session sets it to a token of its own (tests/conftest.py), so that it stops
+# at its end the engines it started, and only those (one that already ran, a developer's or CI's, stays up).
+OWNER_ENV = "KVBENCH_ENGINE_OWNER"
 
 Progress = Callable[[str], None]
 
@@ -72,6 +76,7 @@ class EngineInfo:
     started: float  # Unix time
     proc_start: int | None = None  # /proc/<pid>/stat start time, to tell our process from a reused pid
     env: dict = dataclasses.field(default_factory=dict)  # extra environment variables it was started with
+    owner: str | None = None  # $KVBENCH_ENGINE_OWNER of whoever started it (kept across a restart), or None
 
     @property
     def uptime_s(self) -> float:
@@ -258,9 +263,14 @@ def run_logged(cmd: Sequence[str | Path], log: Path, what: str, env: dict | None
         )
 
 
+def current_owner() -> str | None:
+    return os.environ.get(OWNER_ENV) or None
+
+
 def clean_env() -> dict:
-    """The caller's environment without what would leak kvbench's own Python into an engine's venv."""
-    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+    """The caller's environment without what would leak kvbench's own Python into an engine's venv (nor who
+    owns it: an engine's own subprocesses start no engines)."""
+    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", OWNER_ENV)
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
@@ -321,8 +331,10 @@ def launch(
     progress: Progress = _quiet,
     timeout_s: float = HEALTH_TIMEOUT_S,
     hint: str = "",
+    owner: str | None = None,
 ) -> EngineInfo:
-    """Start `cmd` detached (own session and process group, output to server.log), wait for /health, record it."""
+    """Start `cmd` detached (own session and process group, output to server.log), wait for /health, record it
+    (with `owner`, see OWNER_ENV)."""
     folder = engine_dir(name)
     log_path = folder / LOG_FILE
     url = f"http://127.0.0.1:{port}"
@@ -352,6 +364,7 @@ def launch(
         started=time.time(),
         proc_start=_proc_start(proc.pid),
         env=env_extra,
+        owner=owner,
     )
     write_state(info)  # recorded at once, so that `engine down` can stop a server that is still starting
     t0 = time.monotonic()
