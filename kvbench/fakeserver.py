@@ -2,25 +2,29 @@
 keeps vLLM-style prefix counters, and injects faults on request. Two uses: measuring a load generator's own
 overhead (a server that costs nothing), and testing that a live run survives every fault.
 
-    python -m kvbench.fakeserver --port 8100 [--itl-ms 0] [--block-size 16] [--fault 5:http500 …]
+    python -m kvbench.fakeserver --port 8100 [--itl-ms 0] [--block-size 16] [--fault 5:http500 …] [--require-key K]
 
 Prefix caching is modelled as an unbounded cache of `block_size`-token blocks with vLLM's cap (the last prompt
 token is always computed), so `cached_tokens` and the `/metrics` counters behave like a real engine's.
 Faults (`--fault N:KIND`: the N-th request received, counting from 0, or `every=K:KIND`): http500, http429,
 http400, timeout (never answers), cut (drops the stream half-way), malformed (a line of invalid JSON), error
-(an error object inside the stream).
+(an error object inside the stream), html (a 200 HTML page, as a proxy's error page), json (a whole JSON answer
+where a stream was asked for). `--require-key K`: the /v1 routes answer 401 without a key and 403 with a wrong
+one, as vLLM's --api-key does; the key may come as a bearer token, an X-Api-Key header or a basic-auth password.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import contextlib
 import json
 from collections.abc import Callable
 
 from aiohttp import web
 
-FAULTS = ("http500", "http429", "http400", "timeout", "cut", "malformed", "error")
+FAULTS = ("http500", "http429", "http400", "timeout", "cut", "malformed", "error", "html", "json")
 
 
 class FakeServer:
@@ -30,16 +34,18 @@ class FakeServer:
         itl_s: float = 0.0,
         fault: Callable[[int], str | None] | None = None,
         ignore_salt: bool = False,
+        require_key: str | None = None,
     ):
         self.block_size, self.itl_s, self.fault = block_size, itl_s, fault or (lambda n: None)
         self.ignore_salt = ignore_salt  # behave like llama.cpp, which shares its cache whatever the salt
+        self.require_key = require_key
         self.cache: set[int] = set()
         self.received = 0
         self.running = 0
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "queries": 0, "hits": 0, "requests": 0}
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_key] if self.require_key else [])
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/v1/models", self.models)
@@ -47,6 +53,25 @@ class FakeServer:
         app.router.add_get("/health", self.health)
         app.router.add_post("/reset_prefix_cache", self.reset)
         return app
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler):
+        if not request.path.startswith("/v1/"):
+            return await handler(request)  # like vLLM: only the API routes want the key
+        given = [request.headers.get("X-Api-Key")]
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            given.append(value.strip())
+        elif scheme.lower() == "basic":
+            with contextlib.suppress(ValueError):
+                given.append(base64.b64decode(value).decode().partition(":")[2])
+        given = [g for g in given if g]
+        if self.require_key in given:
+            return await handler(request)
+        status = 403 if given else 401
+        return web.json_response(
+            {"error": {"message": "invalid API key" if given else "missing API key"}}, status=status
+        )
 
     async def health(self, request):
         return web.Response(text="ok")
@@ -100,6 +125,8 @@ class FakeServer:
         fault = self.fault(n)
         if fault in ("http500", "http429", "http400"):
             return web.json_response({"error": {"message": f"injected {fault}"}}, status=int(fault[4:]))
+        if fault == "html":
+            return web.Response(text="<html><body><h1>502 Bad Gateway</h1></body></html>", content_type="text/html")
         body = await request.json()
         chat = "messages" in body
         prompt = body["messages"][-1]["content"].split() if chat else body["prompt"]
@@ -114,7 +141,7 @@ class FakeServer:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         self._count(len(prompt), cached)
-        if not body.get("stream"):
+        if not body.get("stream") or fault == "json":
             text = {"message": {"role": "assistant", "content": "x" * out}} if chat else {"text": "x" * out}
             return web.json_response({"choices": [{"index": 0, **text}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -169,9 +196,12 @@ def main() -> None:
     ap.add_argument("--itl-ms", type=float, default=0.0, help="delay between streamed tokens, milliseconds")
     ap.add_argument("--block-size", type=int, default=16, help="prefix-cache block size, tokens")
     ap.add_argument("--ignore-salt", action="store_true", help="share the cache across cache_salt (like llama.cpp)")
+    ap.add_argument("--require-key", help="the /v1 routes answer 401/403 unless this key is sent")
     ap.add_argument("--fault", action="append", default=[], help="N:KIND or every=K:KIND; KIND in " + ", ".join(FAULTS))
     args = ap.parse_args()
-    server = FakeServer(args.block_size, args.itl_ms / 1000.0, fault_plan(args.fault), args.ignore_salt)
+    server = FakeServer(
+        args.block_size, args.itl_ms / 1000.0, fault_plan(args.fault), args.ignore_salt, args.require_key
+    )
     try:
         import uvloop
 

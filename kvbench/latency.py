@@ -19,6 +19,16 @@ PERCENTILES = (50, 90, 95, 99)
 SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
 
 
+def error_class(error: str | None) -> str | None:
+    """The kind of a failed request's `error`, for counting failures: the text before its first colon (the live
+    client writes 'http 429: …', 'timeout: …', 'connection refused: …', 'stream cut: …', 'not an event
+    stream: …', 'malformed event: …', 'error event: …'); the whole text, cut short, when it has no such class."""
+    if not error:
+        return None
+    head, sep, _ = error.partition(":")
+    return head.strip() if sep and 0 < len(head) <= 40 else error.strip()[:40]
+
+
 def per_request(outcomes) -> dict[str, np.ndarray | list]:
     """Per-request columns (seconds) in the order of `outcomes`; NaN where not measured."""
     n = len(outcomes)

