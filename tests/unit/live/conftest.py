@@ -40,11 +40,11 @@ class RunningServer:
 
 @pytest.fixture
 def fake_server():
-    """Factory: fake_server(faults=["3:cut"], itl_ms=0, block_size=16) -> RunningServer."""
+    """Factory: fake_server(faults=["3:cut"], itl_ms=0, block_size=16, require_key=None) -> RunningServer."""
     started = []
 
-    def start(faults=(), itl_ms=0.0, block_size=16):
-        srv = RunningServer(FakeServer(block_size, itl_ms / 1000.0, fault_plan(list(faults))))
+    def start(faults=(), itl_ms=0.0, block_size=16, require_key=None):
+        srv = RunningServer(FakeServer(block_size, itl_ms / 1000.0, fault_plan(list(faults)), require_key=require_key))
         started.append(srv)
         return srv
 

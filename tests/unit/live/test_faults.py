@@ -70,6 +70,7 @@ def test_a_server_that_goes_away_is_recorded_as_connection_refused():
     import asyncio
 
     from kvbench.backends.openai.client import OpenAIClient
+
     from kvbench.pacing import Outcome
 
     async def send():
