@@ -272,8 +272,9 @@ def test_fake_server_decode_step_is_its_inter_token_time(fake):
     srv = fake(itl_ms=20)
     plan = C.Plan(**{**vars(SMALL), "repeats": 2})
     result = C.measure(srv.url, plan)
-    # the fake server sleeps 20 ms between tokens whatever the batch and context
-    assert all(p.step_s == pytest.approx(0.020, abs=0.005) for p in result.decode)
+    # the fake server sleeps 20 ms between tokens whatever the batch and context: never a shorter step (how much
+    # longer depends on this machine's load, so there is no upper bound)
+    assert all(math.isfinite(p.step_s) and p.step_s >= 0.015 for p in result.decode)
     assert all(len(p.samples_s) == 2 for p in result.prefill + result.decode)
     # the context points were served from its prefix cache (64 tokens skipped), the fresh ones were not
     assert [(p.cached_tokens, p.new_tokens) for p in result.prefill if p.server_cached_tokens] == [(64, 32)]
