@@ -3,69 +3,24 @@ arrival order; each policy x capacity is one point; the Belady bound runs beside
 
 from __future__ import annotations
 
-import json
-import tomllib
 from collections.abc import Iterator
-from pathlib import Path
 
 import click
 import numpy as np
 import pyarrow as pa
 
 from kvbench.backend import PointResult, StreamedPoint
-from kvbench.capacity import KV_DTYPE_BYTES, MODELS, parse_capacities
+from kvbench.capacity import KV_DTYPE_BYTES, MODELS, check_capacities, parse_capacities
 from kvbench.errors import KvbenchError
 from kvbench.traceio import TraceMeta
 
 from . import policies as _policies
+from .options import check_quota_tenants, parse_policy_options, policy_option_params
 from .policies import SimOutput
 from .prepared import PreparedTrace, prepare
 
 BOUND = "belady"
 CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary and the plot
-
-
-def _parse_option(name: str, value):
-    """Policy options arrive as text from the CLI; quotas are 'tenant=share,…' or a TOML/JSON file."""
-    if value is None or not isinstance(value, str):
-        return value
-    if name == "quota":
-        path = Path(value)
-        if path.suffix in (".toml", ".json") and path.exists():
-            data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
-            return {str(k): float(v) for k, v in data.items()}
-        quota = {}
-        for part in filter(None, (p.strip() for p in value.split(","))):
-            tenant, sep, share = part.rpartition("=")
-            try:
-                quota[tenant] = float(share)
-            except ValueError:
-                sep = ""
-            if not sep or not tenant:
-                raise KvbenchError(f"--quota {part!r}: write tenant=share (0..1 of the capacity) or tenant=blocks")
-        return quota
-    try:
-        return float(value)
-    except ValueError:
-        raise KvbenchError(f"--{name.replace('_', '-')} {value!r} must be a number") from None
-
-
-def policy_option_params() -> list[click.Option]:
-    """The options some policies take (quotas, priorities' duration, …), one per name, for any backend that
-    drives the policies; `parse_policy_options` reads their values."""
-    opts, seen = [], set()
-    for pname, pol in _policies.registry().items():
-        for oname, help in pol.options.items():
-            if oname not in seen:
-                seen.add(oname)
-                opts.append(
-                    click.Option([f"--{oname.replace('_', '-')}", oname], default=None, help=f"[{pname}] {help}")
-                )
-    return opts
-
-
-def parse_policy_options(values: dict) -> dict:
-    return {k: _parse_option(k, v) for k, v in values.items() if v is not None}
 
 
 class SimBackend:
@@ -165,10 +120,12 @@ class SimBackend:
         if curve and not any(known[p].stack for p in self.policies):
             stack = ", ".join(n for n, p in known.items() if p.stack)
             raise KvbenchError(f"--curve needs a stack policy ({stack}); got --policy {policy}")
+        if capacity is not None:  # everything but 'less than one block', which needs the trace's block size
+            check_capacities(capacity, model, kv_dtype)
         self.capacity_spec, self.model, self.kv_dtype = capacity, model, kv_dtype
         self.curve, self.bound, self.salt, self.share_lora_kv = curve, bound, salt, share_lora_kv
         self.reference = reference
-        self.policy_options = parse_policy_options(policy_options)
+        self.policy_options = parse_policy_options(policy_options, self.policies)
 
     def config(self) -> dict:
         return {
@@ -196,7 +153,11 @@ class SimBackend:
 
     def replay(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
         bs = meta.block_size
-        caps = parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype) if self.capacity_spec else []
+        caps = (
+            parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype)
+            if self.capacity_spec is not None
+            else []
+        )
         names = list(self.policies)
         if self.bound and BOUND not in names and caps:
             names.append(BOUND)
@@ -204,6 +165,10 @@ class SimBackend:
         filled = {c for c in trace.column_names if trace.column(c).null_count < trace.num_rows}
         for pol in pols:
             self._check_needs(pol, filled)
+        if "quota" in self.policy_options:
+            from .prepared import _tenant_codes
+
+            check_quota_tenants(self.policy_options, _tenant_codes(trace, None)[1])
         prepared = {}
 
         def prepared_for(name):
@@ -235,6 +200,7 @@ class SimBackend:
             )
         for pol in pols:
             self._check_needs(pol, scanned.filled)
+        check_quota_tenants(self.policy_options, scanned.tenant_names)
         caps = parse_capacities(self.capacity_spec, scanned.meta.block_size, self.model, self.kv_dtype)
         for pol in pols:
             for cap in caps:

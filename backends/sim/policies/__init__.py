@@ -139,4 +139,6 @@ def parse_names(spec) -> list[str]:
     for p in names:
         if p not in known:
             raise KvbenchError(f"unknown policy {p!r}; choose from: {', '.join(known)}")
+    if not names:
+        raise KvbenchError(f"--policy {spec!r} names no policy; choose from: {', '.join(known)}")
     return names
