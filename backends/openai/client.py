@@ -43,8 +43,9 @@ def describe_exception(exc: BaseException) -> str:
         kind = "tls"
     elif isinstance(exc, aiohttp.ClientConnectorError):
         refused = getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED or "refused" in str(exc).lower()
-        kind = "connection refused" if refused else "connection failed"
-        return f"{kind}: cannot connect to {exc.host}:{exc.port} ({exc.os_error.strerror or exc.os_error})"
+        if refused:
+            return f"connection refused: nothing listens on {exc.host}:{exc.port}"
+        return one_line(f"connection failed: cannot connect to {exc.host}:{exc.port}: {exc.os_error}")
     elif isinstance(exc, aiohttp.ServerDisconnectedError):
         return "connection dropped: the server closed the connection before answering"
     elif isinstance(exc, aiohttp.ClientPayloadError):

@@ -86,10 +86,10 @@ def api_key(env_name: str | None) -> str | None:
 def _refused_hint(status: int, sent_auth: bool) -> str:
     if status in (401, 403):
         if sent_auth:
-            return "the server refused the credentials sent: check the key (--api-key-env VAR, --header, or the URL)"
-        return "the server wants a key; set it with --api-key-env VAR (or --header 'Authorization: Bearer …')"
+            return "the server refused the credentials sent; check the key given by --api-key-env, --header or the URL"
+        return "the server wants a key; set it with --api-key-env VAR or --header 'Authorization: Bearer …'"
     if status == 404:
-        return "is --url the server's base address (http://HOST:PORT, without an API path)?"
+        return "is --url the server's base address, http://HOST:PORT without an API path?"
     return "check the server's log"
 
 
@@ -109,7 +109,7 @@ async def first_model(session: aiohttp.ClientSession, address: ServerAddress, se
     try:
         async with session.get(address.base + "/v1/models") as resp:
             if resp.status != 200:
-                more = "; give --model NAME if the server has no /v1/models" if resp.status == 404 else ""
+                more = " Give --model NAME if the server has no /v1/models" if resp.status == 404 else ""
                 raise await _refused(where, resp, sent_auth, "cannot list models: ", more)
             text = await resp.text(errors="replace")
     except aiohttp.ClientError as exc:

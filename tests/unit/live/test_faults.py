@@ -81,7 +81,7 @@ def test_a_server_that_goes_away_is_recorded_as_connection_refused():
         return o
 
     o = asyncio.run(send())
-    assert o.status == "error" and o.error.startswith("connection refused: cannot connect to 127.0.0.1:")
+    assert o.status == "error" and o.error.startswith("connection refused: nothing listens on 127.0.0.1:")
 
 
 def test_interrupted_run_keeps_a_readable_partial_result(fake_server, tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ def test_a_refused_key_stops_the_run_even_when_the_model_is_given(fake_server, t
 
 def test_a_wrong_path_in_the_url_is_a_404_that_points_at_the_url(fake_server, tmp_path):
     srv = fake_server()
-    with pytest.raises(KvbenchError, match=r"/api/v1/models answered http 404: .*base address.*give --model NAME"):
+    with pytest.raises(KvbenchError, match=r"/api/v1/models answered http 404: .*base address.*Give --model NAME"):
         replay(srv.url + "/api", tmp_path / "r")
 
 
