@@ -154,3 +154,26 @@ def test_a_model_list_that_is_a_web_page_is_quoted(tmp_path):
             replay(url, tmp_path / "r")
     finally:
         httpd.shutdown()
+
+
+def test_a_refused_metrics_endpoint_is_a_warning_not_a_failure(tmp_path, capsys):
+    """/metrics behind other credentials: the run is measured without server counters, and says why."""
+    from aiohttp import web
+
+    from kvbench.fakeserver import FakeServer
+
+    from .conftest import RunningServer
+
+    class MetricsRefused(FakeServer):
+        async def metrics(self, request):
+            return web.json_response({"error": "forbidden"}, status=403)
+
+    srv = RunningServer(MetricsRefused())
+    try:
+        run_dir, summary = replay(srv.url, tmp_path / "r")
+    finally:
+        srv.stop()
+    assert statuses(run_dir) == {"ok"}
+    assert summary["points"][0]["server_counters"] == {"available": False}
+    warning = f"kvbench: warning: GET {srv.url}/metrics answered http 403: "
+    assert warning in capsys.readouterr().err
