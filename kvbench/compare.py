@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from .errors import KvbenchError
 from .fidelity import fidelity as error_table
+from .results import read_requests, requests_schema, result_files
 
 LIVE = "openai"
 MODELS = ("engine-sim", "sim")  # offline backends whose runs can be a model of a live run
@@ -114,10 +115,11 @@ def latency_samples(run_dir: Path) -> dict[str, Samples]:
     offline backends that model latency); {} when there are none."""
     cols = ["point", "request_id", "ttft_s", "tpot_s", "e2el_s", "itl_s", "status", "warmup"]
     try:
-        f = pq.ParquetFile(Path(run_dir) / "requests.parquet")
-        if _all_null(f.metadata, "ttft_s"):  # a simulator's millions of rows need not be read to learn that
+        files = result_files(run_dir)
+        # a simulator's millions of rows need not be read to learn that
+        if files and all(_all_null(pq.ParquetFile(f).metadata, "ttft_s") for f in files):
             return {}
-        t = f.read(columns=cols)
+        t = read_requests(run_dir, columns=cols)
     except (OSError, ValueError, pa.ArrowException):
         return {}
     if t.num_rows == 0 or t.column("ttft_s").null_count == t.num_rows:
@@ -261,10 +263,8 @@ def _diff(a, b):
 
 def _per_request(sim_dir: Path, point: str, live_dir: Path) -> dict:
     try:
-        sim = pq.read_table(sim_dir / "requests.parquet", columns=["point", "request_id", "hit_tokens"])
-        live = pq.read_table(
-            live_dir / "requests.parquet", columns=["request_id", "cached_tokens", "status", "input_tokens"]
-        )
+        sim = read_requests(sim_dir, columns=["point", "request_id", "hit_tokens"])
+        live = read_requests(live_dir, columns=["request_id", "cached_tokens", "status", "input_tokens"])
     except (OSError, ValueError, pa.ArrowException):
         return {}
     sim = sim.filter(pc.equal(sim.column("point"), point))
@@ -315,13 +315,12 @@ REQUEST_COLUMNS += ["e2el_s", "actual_send_s", "scheduled_send_s", "cached_token
 
 def _read_requests(run_dir: Path) -> pa.Table | str:
     """The columns of a run's requests.parquet that `kvbench.fidelity` reads, or why they could not be read."""
-    path = Path(run_dir) / "requests.parquet"
     try:
-        names = set(pq.read_schema(path).names)
-        table = pq.read_table(path, columns=[c for c in REQUEST_COLUMNS if c in names])
+        names = set(requests_schema(run_dir).names)
+        table = read_requests(run_dir, columns=[c for c in REQUEST_COLUMNS if c in names])
     except (OSError, ValueError, pa.ArrowException) as exc:
-        return f"cannot read {path.name} ({type(exc).__name__})"
-    return table if "request_id" in names else f"{path.name} has no request_id column"
+        return f"cannot read requests.parquet ({type(exc).__name__})"
+    return table if "request_id" in names else "requests.parquet has no request_id column"
 
 
 def model_vs_measurement(runs: list[dict], skip_first: int = 0) -> list[dict]:

@@ -1,30 +1,30 @@
 """The runner's live path: an online backend (one that answers requests one at a time over the network) is
-driven by the core's dispatcher (`pacing`), and its outcomes go to requests.parquet as they complete, so
-that a crash or Ctrl-C leaves everything measured so far on disk (DESIGN.md section 8)."""
+driven by the core's dispatcher (`pacing`), and its outcomes are made durable as they complete (a part file
+every FLUSH_EVERY outcomes or FLUSH_SECONDS, `resultparts`), so that Ctrl-C, SIGTERM or even SIGKILL leaves
+everything measured up to the last flush on disk (DESIGN.md section 8)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from .backend import PointResult
 from .errors import KvbenchError
 from .latency import latency_summary, per_request
 from .metrics import point_metrics
 from .pacing import Outcome, dispatch, request_count
-from .results import ResultWriter
+from .results import ResultWriter, read_requests, result_files, result_rows
 from .servercounters import reconcile
 
-FLUSH_EVERY = 256  # outcomes buffered before they are appended to requests.parquet
-FLUSH_SECONDS = 2.0
+FLUSH_EVERY = 256  # outcomes buffered before they are written as a durable part
+FLUSH_SECONDS = 2.0  # ... or the longest an outcome waits: a kill loses at most this much
 POINT = "live"
 
 
@@ -54,22 +54,28 @@ def _columns(outcomes: list[Outcome], block_size: int) -> dict:
     }
 
 
-def _write(writer: ResultWriter, table: pa.Table, outcomes: list[Outcome], block_size: int) -> None:
+def _answers(table: pa.Table, outcomes: list[Outcome], block_size: int) -> tuple[pa.Table, PointResult]:
     rows = pa.array([o.row for o in outcomes], pa.int64())
-    writer.write(table.take(rows), PointResult(labels={"point": POINT}, columns=_columns(outcomes, block_size)))
+    return table.take(rows), PointResult(labels={"point": POINT}, columns=_columns(outcomes, block_size))
+
+
+def _write(writer: ResultWriter, table: pa.Table, outcomes: list[Outcome], block_size: int) -> None:
+    writer.write(*_answers(table, outcomes, block_size))
 
 
 DONE = ("ok", "error", "timeout")  # answered (or given up on): a resumed run does not send these again
 
 
-def _previous(path: Path, table: pa.Table) -> dict[int, Outcome]:
-    """Outcomes of the requests a previous, interrupted run of the same trace answered (for --resume)."""
-    if not path.exists():
+def _previous(run_dir: Path, table: pa.Table) -> dict[int, Outcome]:
+    """Outcomes of the requests a previous, interrupted (or killed) run of the same trace answered (for
+    --resume)."""
+    if not result_files(run_dir):
         return {}
     try:
-        prev = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise KvbenchError(f"{path}: cannot read the previous results to resume ({exc})") from None
+        prev = read_requests(run_dir)
+    except KvbenchError as exc:
+        raise KvbenchError(f"cannot read the previous results to resume: {exc}") from None
+    path = run_dir / "requests.parquet"
     index = {rid: i for i, rid in enumerate(table.column("request_id").to_pylist())}
     out = {}
     for r in prev.to_pylist():
@@ -92,42 +98,60 @@ def _previous(path: Path, table: pa.Table) -> dict[int, Outcome]:
 
 
 class IncrementalResults:
-    """requests.parquet, appended to as outcomes arrive (every FLUSH_EVERY outcomes or FLUSH_SECONDS), so that
-    a crash or Ctrl-C keeps what was measured; `close` records every request not written yet (unsent ones
-    too: nothing is lost). Shared by the single-client path and the distributed driver."""
+    """A live run's results, made durable as outcomes arrive: a writer thread turns what is pending into a
+    part file every FLUSH_EVERY outcomes or, when fewer came, FLUSH_SECONDS after the last flush, so a kill
+    loses at most that much; `close` records every request not written yet (unsent ones too: nothing is
+    lost) and merges the parts into requests.parquet. `kept`: a resumed run's answers from before, which
+    replace the previous run's files first. Shared by the single-client path and the distributed driver."""
 
     def __init__(self, path: Path, table: pa.Table, block_size: int, kept: dict[int, Outcome]):
         self.table, self.block_size = table, block_size
-        self.writer = ResultWriter(path)
-        if kept:
-            _write(self.writer, table, [kept[i] for i in sorted(kept)], block_size)
-        self.pending: list[Outcome] = []
-        self.written: set[int] = set(kept)
-        self.last_flush = time.monotonic()
-        # Writing (Arrow conversion, compression, disk) happens on one worker thread: done on the event loop it
+        base = result_rows(*_answers(table, [kept[i] for i in sorted(kept)], block_size)) if kept else None
+        self.writer = ResultWriter(path, base=base)
+        self.added: set[int] = set(kept)  # rows handed to the writer thread (or kept): close writes the rest
+        self._pending: list[Outcome] = []
+        self._wake = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        # Writing (Arrow conversion, compression, fsync) happens on its own thread: done on the event loop it
         # stalls sends for 5-30 ms per flush, which shows up as schedule lag.
-        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbench-results")
-        self.writes = []
+        self._thread = threading.Thread(target=self._write_parts, name="kvbench-results", daemon=True)
+        self._thread.start()
 
     def add(self, o: Outcome) -> None:
-        self.pending.append(o)
-        if len(self.pending) >= FLUSH_EVERY or time.monotonic() - self.last_flush > FLUSH_SECONDS:
-            self.flush()
+        with self._wake:
+            self._pending.append(o)
+            self.added.add(o.row)
+            if len(self._pending) >= FLUSH_EVERY:
+                self._wake.notify()
 
-    def flush(self) -> None:
-        if self.pending:
-            batch = list(self.pending)
-            self.writes.append(self.background.submit(_write, self.writer, self.table, batch, self.block_size))
-            self.written.update(o.row for o in batch)
-            self.pending.clear()
-        self.last_flush = time.monotonic()
+    def _write_parts(self) -> None:
+        while True:
+            with self._wake:
+                deadline = time.monotonic() + FLUSH_SECONDS
+                while not self._closing and len(self._pending) < FLUSH_EVERY:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
+                batch, self._pending, closing = self._pending, [], self._closing
+            if batch:
+                try:
+                    _write(self.writer, self.table, batch, self.block_size)
+                except BaseException as exc:  # disk full…: `close` raises it, never silently missing rows
+                    self._error = exc
+                    return
+            if closing:
+                return
 
     def close(self, outcomes: list[Outcome]) -> None:
-        self.flush()
-        self.background.shutdown(wait=True)  # every submitted write lands before the last ones
-        for w in self.writes:
-            w.result()  # a failed write (disk full…) is an error, never silently missing rows
-        rest = [o for o in outcomes if o.row not in self.written]
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()  # every pending outcome lands before the last ones
+        if self._error is not None:
+            raise self._error
+        rest = [o for o in outcomes if o.row not in self.added]
         if rest:
             _write(self.writer, self.table, rest, self.block_size)
         self.writer.close()
@@ -141,7 +165,7 @@ def resumed_clock(kept: dict[int, Outcome]) -> float:
 
 
 def previous_outcomes(run_dir: Path, table: pa.Table, resume: bool) -> dict[int, Outcome]:
-    return _previous(run_dir / "requests.parquet", table) if resume else {}
+    return _previous(run_dir, table) if resume else {}
 
 
 def run_live(

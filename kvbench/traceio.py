@@ -79,7 +79,11 @@ def write_trace(table: pa.Table, path: str | Path, meta: TraceMeta, row_group_si
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta.to_arrow()})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_size)
+    try:
+        pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_size)
+    except BaseException:  # an error, Ctrl-C, SIGTERM (raised as Ctrl-C by the CLI): no partial file is left
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)  # a crash never leaves a half-written trace under the final name
     return path
 
@@ -160,10 +164,12 @@ class TraceWriter:
         return self.path
 
     def abort(self) -> None:
-        """Drop everything written so far."""
-        if self._writer is not None:
-            self._writer.close()
-        self._tmp.unlink(missing_ok=True)
+        """Drop everything written so far (on an error, Ctrl-C or SIGTERM, which the CLI raises as Ctrl-C)."""
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
 
 
 def _open(path: str | Path) -> pq.ParquetFile:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import click
@@ -37,6 +38,35 @@ def main() -> None:
 
     Set KVBENCH_DEBUG=1 to see Python tracebacks instead of one-line errors.
     """
+    _stop_like_ctrl_c(click.get_current_context())
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # a `kill`, a job scheduler's stop, a closed terminal
+
+
+def _as_ctrl_c(signum, frame) -> None:
+    """Handle a stop signal as Ctrl-C: through SIGINT's current handler (asyncio's, during a live run, which
+    cancels the run's task so it records what it has) or as KeyboardInterrupt."""
+    on_ctrl_c = signal.getsignal(signal.SIGINT)
+    if callable(on_ctrl_c):
+        on_ctrl_c(signal.SIGINT, frame)
+    else:  # SIGINT ignored (a background job of a non-interactive shell): a stop signal still stops
+        raise KeyboardInterrupt
+
+
+def _stop_like_ctrl_c(ctx: click.Context) -> None:
+    """SIGTERM and SIGHUP stop a command the way Ctrl-C does, so that an interrupted run records what it
+    measured, merges its results and removes its temporary files, for this command (the handlers before
+    are put back when it ends: `kvbench` may be called inside another program)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers
+    for name in STOP_SIGNALS:
+        number = getattr(signal, name, None)
+        if number is not None:
+            before = signal.signal(number, _as_ctrl_c)
+            ctx.call_on_close(lambda n=number, h=before: signal.signal(n, signal.SIG_DFL if h is None else h))
 
 
 from .audit import audit  # noqa: E402  (attach subcommands after `main` exists)

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import KvbenchError
+from ..results import read_requests
 from .render import console
 
 WORKLOADS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
@@ -66,9 +67,9 @@ def _prepare_trace(src: Path, out: Path, n: int, max_out: int, max_len: int | No
     return {"source": str(src), "requests": kept.num_rows, "left_out_too_long": int((~fits).sum())}
 
 
-def _modeled_trace(trace: Path, live_requests: Path, out: Path) -> int:
+def _modeled_trace(trace: Path, live_dir: Path, out: Path) -> int:
     """The trace's requests that the live run answered, arriving when the live run sent them."""
-    live = pq.read_table(live_requests)
+    live = read_requests(live_dir)
     live = live.filter(pc.equal(live["status"], "ok"))
     sent = dict(zip(live["request_id"].to_pylist(), live["actual_send_s"].to_pylist(), strict=True))
     table = pq.read_table(trace)
@@ -177,12 +178,12 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
                  "max_concurrency": concurrency, "reset_prefix_cache": True, "send_lora": False}  # fmt: skip
     live_dir, _ = run_replay(trace, "openai", live_opts, out=run_dir / "live")
     modeled_trace = run_dir / "trace-modeled.parquet"
-    _modeled_trace(trace, live_dir / "requests.parquet", modeled_trace)
+    _modeled_trace(trace, live_dir, modeled_trace)
     sim_opts = {"policy": "vllm", "hardware": hardware, "model": sim_model, "hbm_capacity": str(capacity),
                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                 "calibration": str(calibration), "share_lora_kv": True, "max_concurrency": concurrency}  # fmt: skip
     model_dir, _ = run_replay(modeled_trace, "engine-sim", sim_opts, out=run_dir / "modeled")
-    table = F.fidelity(pq.read_table(live_dir / "requests.parquet"), pq.read_table(model_dir / "requests.parquet"),
+    table = F.fidelity(read_requests(live_dir), read_requests(model_dir),
                        skip=skip_first)  # fmt: skip
     summary["load_avg_1min"].append(round(os.getloadavg()[0], 2))
     summary.update({"live": "live", "modeled": "modeled", "fidelity": table, "complete": True,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from ..results import read_requests, result_files
 from .hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
 from .page import Section, Table, num, render_html, render_markdown
 from .timing import latency_sections, timeline_section
@@ -17,20 +17,13 @@ from .workload import agent_section, characterisation_section
 MAX_REPORT_ROWS = 2_000_000  # per-request plots read at most this many rows: a report of a huge run stays quick
 
 
-def load_requests(path: Path, limit: int = MAX_REPORT_ROWS) -> tuple[pa.Table | None, bool]:
-    """(the first `limit` rows of requests.parquet, whether it has more), or (None, False) if it is missing."""
-    if not path.exists():
+def load_requests(run_dir: Path, limit: int = MAX_REPORT_ROWS) -> tuple[pa.Table | None, bool]:
+    """(the first `limit` rows of the run's results, whether it has more), or (None, False) if it has none.
+    A killed run's results are read from the parts it left (`results.read_requests`)."""
+    if not result_files(run_dir):
         return None, False
-    f = pq.ParquetFile(path)
-    if f.metadata.num_rows <= limit:
-        return f.read(), False
-    batches, n = [], 0
-    for batch in f.iter_batches(batch_size=min(limit, 1 << 18)):
-        batches.append(batch.slice(0, limit - n))
-        n += batches[-1].num_rows
-        if n >= limit:
-            break
-    return pa.Table.from_batches(batches), True
+    rows = read_requests(run_dir, max_rows=limit + 1)
+    return rows.slice(0, limit), rows.num_rows > limit
 
 
 def _no_path(value) -> str:
@@ -134,7 +127,7 @@ def write_reports(run_dir: Path, summary: dict, trace: pa.Table | None = None) -
     import matplotlib
 
     matplotlib.use("Agg")
-    requests, truncated = load_requests(Path(run_dir) / "requests.parquet")
+    requests, truncated = load_requests(Path(run_dir))
     parts = sections(summary, requests, trace, truncated)
     title = f"kvbench run {summary['run_id']}"
     (Path(run_dir) / "report.md").write_text(render_markdown(title, parts))
