@@ -175,13 +175,13 @@ class Curve:
     def setup(self, policy):
         table, meta = load("mooncake")
         self.trace = prepare(table, meta.block_size, vllm_cap=policy == "vllm")
-        lru_curve(self.trace, vllm=policy == "vllm")  # compile / load the numba cache
+        lru_curve(self.trace)  # compile / load the numba cache
 
     def time_one_pass_curve(self, policy):
-        lru_curve(self.trace, vllm=policy == "vllm")
+        lru_curve(self.trace)
 
     def peakmem_one_pass_curve(self, policy):
-        lru_curve(self.trace, vllm=policy == "vllm")
+        lru_curve(self.trace)
 
 
 # ----------------------------------------------------------------------------------------------- results
