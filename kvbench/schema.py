@@ -59,6 +59,55 @@ def blocks_for(input_tokens, block_size: int):
     return -(-input_tokens // block_size)
 
 
+def _kind(t: pa.DataType) -> str:
+    if pa.types.is_dictionary(t):
+        return _kind(t.value_type)
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return "list"
+    if pa.types.is_struct(t):
+        return "struct"
+    return str(t)
+
+
+# What each kind of schema column accepts: a number of the same kind, or a whole float where integers belong
+# (pandas writes integer columns that hold nulls as float64; a fraction is still refused, by the safe cast).
+# Never text where numbers belong: "1200" would replay but says the producer wrote the wrong type.
+_ACCEPTS = {
+    "integer": {"integer", "float"},
+    "float": {"integer", "float"},
+    "string": {"string", "integer"},  # ids written as integers read the same as their decimal text
+}
+
+
+def type_mismatch(actual: pa.DataType, expected: pa.DataType) -> str | None:
+    """Why a column of type `actual` cannot hold values of the schema's `expected` type (None when it can, up to
+    a value-by-value safe cast): a different kind of value, here or inside a list or struct."""
+    if pa.types.is_null(actual):
+        return None  # all null
+    want, got = _kind(expected), _kind(actual)
+    if want in _ACCEPTS:
+        return None if got in _ACCEPTS[want] else f"holds {got} values, the schema's type is {expected}"
+    if want != got:
+        return f"holds {got} values, the schema's type is {expected}"
+    if want == "list":
+        inner = type_mismatch(actual.value_type, expected.value_type)
+        return f"list items: {inner}" if inner else None
+    if want == "struct":
+        fields = {f.name: f.type for f in expected}
+        for child in actual:
+            if child.name in fields:
+                inner = type_mismatch(child.type, fields[child.name])
+                if inner:
+                    return f"field {child.name!r}: {inner}"
+    return None
+
+
 def conform(table: pa.Table) -> pa.Table:
     """Return `table` with every known column present and cast to its schema type, in schema order.
 

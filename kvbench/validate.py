@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 
 from .errors import ValidationFailed
 from .references import GrowingReferences, References, check_across_rows
-from .schema import REQUIRED_COLUMNS, TRACE_SCHEMA
+from .schema import REQUIRED_COLUMNS, TRACE_SCHEMA, type_mismatch
 
 ROWS_SHOWN = 5  # rows listed per rule; the rest are counted
 ARRIVAL_ORDER_RULE = "arrivals must be non-decreasing (sort the trace by arrival)"
@@ -76,8 +76,24 @@ def _np(col: pa.ChunkedArray, fill) -> np.ndarray:
     return col.fill_null(fill).to_numpy(zero_copy_only=False)
 
 
+_CAST_ERRORS = (pa.ArrowException, ValueError, TypeError)
+
+
+def _rows_that_do_not_convert(col: pa.ChunkedArray, to: pa.DataType) -> list[int]:
+    """Rows whose value cannot be cast safely to `to`, tried one by one (only when the column's cast failed)."""
+    bad = []
+    for i, v in enumerate(col.to_pylist()):
+        try:
+            pa.array([v]).cast(to, safe=True)
+        except _CAST_ERRORS:
+            bad.append(i)
+    return bad
+
+
 def _check_types(table: pa.Table, report: ValidationReport) -> pa.Table | None:
-    """Cast known columns to the schema; report columns that cannot be cast, with the first bad rows."""
+    """Cast known columns to the schema; report columns that cannot be cast, with the first bad rows. A column of
+    the wrong kind (text where numbers belong) is refused even where its values would convert: the rows that
+    would not are named first, then every row that holds a value."""
     before = sum(v.count or 1 for v in report.violations)
     for name in REQUIRED_COLUMNS:
         if name not in table.column_names:
@@ -87,16 +103,16 @@ def _check_types(table: pa.Table, report: ValidationReport) -> pa.Table | None:
         if f.name not in table.column_names:
             continue
         col = table.column(f.name)
+        rule = f"has type {col.type}, expected {f.type}"
+        mismatch = type_mismatch(col.type, f.type)
+        if mismatch is not None and col.null_count < len(col):
+            report.add(f.name, f"value cannot be converted ({rule})", _rows_that_do_not_convert(col, f.type))
+            report.add(f.name, mismatch, ~_np(col.is_null(), True))
+            continue
         try:
             good[f.name] = col.cast(f.type, safe=True) if not col.type.equals(f.type) else col
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            bad = []
-            for i, v in enumerate(col.to_pylist()):
-                try:
-                    pa.array([v]).cast(f.type, safe=True)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-                    bad.append(i)
-            rule = f"has type {col.type}, expected {f.type}"
+        except _CAST_ERRORS:
+            bad = _rows_that_do_not_convert(col, f.type)
             if bad:
                 report.add(f.name, f"value cannot be converted ({rule})", bad)
             else:
@@ -128,6 +144,11 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
 
     lengths = block_lengths(t.column("block_hashes"))
     report.add("block_hashes", "must not be null", lengths < 0)
+    hashes = t.column("block_hashes").combine_chunks()
+    ids = pc.list_flatten(hashes)
+    if ids.null_count:  # a null id would be read as some number and hit whatever block has it
+        parents = np.asarray(pc.list_parent_indices(hashes))
+        report.add("block_hashes", "block ids must not be null", np.unique(parents[_np(ids.is_null(), False)]))
     expected = -(-np.maximum(inp, 0) // block_size)
     report.add(
         "block_hashes",

@@ -250,30 +250,38 @@ def info(trace_path, as_json, warmup, markdown):
 
 
 @trace.command()
-@click.argument("paths", metavar="TRACE…", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("paths", metavar="TRACE…", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="print every violation as JSON")
 def validate(paths, as_json):
-    """Check traces against schema v1; lists every violation by column and row, exits 1 if any."""
-    reports = []
+    """Check traces against schema v1; lists every violation by column and row. Gives a verdict for every
+    TRACE, readable or not; exits 1 if any is invalid, 2 if any cannot be read."""
+    verdicts = []  # (path, report or None, why it could not be read)
     for path in paths:  # read by row group: a trace of any length validates in bounded memory
-        reports.append(validate_file(path))
+        try:
+            verdicts.append((path, validate_file(path), None))
+        except KvbenchError as exc:  # unreadable or not a kvbench trace: its verdict, then the next file
+            verdicts.append((path, None, str(exc)))
     if as_json:
-        click.echo(
-            json.dumps(
-                [
-                    {
-                        "source": r.source,
-                        "rows": r.rows,
-                        "ok": r.ok,
-                        "violations": [dataclasses.asdict(v) for v in r.violations],
-                    }
-                    for r in reports
-                ],
-                indent=2,
-            )
-        )
+        rows = []
+        for path, r, unreadable in verdicts:
+            if r is None:
+                rows.append({"source": str(path), "rows": None, "ok": False, "error": unreadable, "violations": []})
+            else:
+                violations = [dataclasses.asdict(v) for v in r.violations]
+                rows.append({"source": r.source, "rows": r.rows, "ok": r.ok, "violations": violations})
+        click.echo(json.dumps(rows, indent=2))
     else:
-        for r in reports:
-            click.echo(r.summary())
-    if not all(r.ok for r in reports):
+        for path, r, unreadable in verdicts:
+            click.echo(r.summary() if r is not None else _unreadable_verdict(path, unreadable))
+    unreadable = sum(r is None for _, r, _ in verdicts)
+    if unreadable:
+        click.secho(f"error: {unreadable} of {len(verdicts)} trace(s) could not be read", fg="red", err=True)
+        raise SystemExit(2)
+    if not all(r.ok for _, r, _ in verdicts):
         raise SystemExit(1)
+
+
+def _unreadable_verdict(path, message: str) -> str:
+    """'PATH: cannot be read: why' (the reading errors name the file first already: not twice)."""
+    why = message.removeprefix(f"{path}: ")
+    return f"{path}: cannot be read: {why}"

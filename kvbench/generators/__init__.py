@@ -14,6 +14,7 @@ memory, with exactly the rows of the whole-table path. The others build the whol
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ DEFAULT_BLOCK_SIZE = 64
 # against the memory free. Measured (peak RSS / requests, 300,000 requests): agent 17.6 KB (~40K-token
 # prompts), mix 7.5 KB, multi-tenant 6.4 KB, multimodal 3.8 KB.
 IN_MEMORY_BYTES_PER_REQUEST = 20_000
+
+
+class BadParameter(KvbenchError, ValueError):
+    """A generator parameter out of its range (a ValueError too, as Python callers expect of a bad value)."""
 
 
 class InMemoryLimit(KvbenchError):
@@ -107,8 +112,10 @@ class Generator:
 
     def _params(self, n: int, overrides: dict):
         if n <= 0:
-            raise ValueError("the number of requests must be > 0")
-        return self.params_type(**overrides)
+            raise BadParameter(f"-n {n}: the number of requests must be > 0")
+        params = self.params_type(**overrides)
+        check_params(params)
+        return params
 
     def _meta(self, params, n: int, seed: int, block_size: int) -> TraceMeta:
         source = {
@@ -151,6 +158,35 @@ registry = _REGISTRY.all
 get = _REGISTRY.get
 
 
-def param(default, help: str):
-    """A generator parameter: a dataclass field whose `help` (with units) feeds the CLI."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def param(default, help: str, *, at_least=None, above=None, at_most=None, below=None):
+    """A generator parameter: a dataclass field whose `help` (with units) feeds the CLI. A number must be finite
+    and within its bounds (by default >= 0: no parameter is a negative count, rate, length or time);
+    `check_params` refuses one outside them, naming the option, before anything is drawn."""
+    if at_least is None and above is None:
+        at_least = 0
+    bounds = {"at_least": at_least, "above": above, "at_most": at_most, "below": below}
+    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
+
+
+_BOUND_RULES = {
+    "at_least": (">=", lambda v, b: v >= b),
+    "above": (">", lambda v, b: v > b),
+    "at_most": ("<=", lambda v, b: v <= b),
+    "below": ("<", lambda v, b: v < b),
+}
+
+
+def check_params(params) -> None:
+    """Every numeric parameter finite and within its `param` bounds, else a KvbenchError naming the option as
+    `kvbench trace gen` spells it."""
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        option = "--" + f.name.replace("_", "-")
+        if not math.isfinite(value):
+            raise BadParameter(f"{option} {value!r} must be a finite number ({f.metadata.get('help', '')})")
+        for rule, bound in f.metadata.get("bounds", {}).items():
+            sign, holds = _BOUND_RULES[rule]
+            if bound is not None and not holds(value, bound):
+                raise BadParameter(f"{option} {value!r} must be {sign} {bound} ({f.metadata.get('help', '')})")

@@ -23,10 +23,10 @@ from ._stream import SequentialDraws, stream_conversations
 
 @dataclass(frozen=True)
 class ChatParams:
-    session_rate: float = param(1.0, "new conversations per second (Poisson)")
+    session_rate: float = param(1.0, "new conversations per second (Poisson)", above=0)
     turns_mean: float = param(4.0, "mean turns per conversation (geometric)")
-    max_turns: int = param(32, "cap on turns per conversation")
-    system_prompts: int = param(16, "distinct system prompts shared across conversations")
+    max_turns: int = param(32, "cap on turns per conversation", at_least=1)
+    system_prompts: int = param(16, "distinct system prompts shared across conversations", at_least=1)
     system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
     system_tokens_mean: float = param(1200.0, "mean system prompt length (tokens)")
     user_tokens_mean: float = param(300.0, "mean new user text per turn (tokens, log-normal)")

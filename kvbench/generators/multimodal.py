@@ -37,34 +37,38 @@ _ITEM_CONTENT_KEY = name_key("multimodal", "item-content")
 
 @dataclass(frozen=True)
 class MultimodalParams:
-    session_rate: float = param(1.0, "new sessions per second (Poisson)")
+    session_rate: float = param(1.0, "new sessions per second (Poisson)", above=0)
     turns_mean: float = param(1.5, "mean turns per session (geometric; 1 = independent requests)")
-    max_turns: int = param(8, "cap on turns per session")
-    text_only_share: float = param(0.2, "share of sessions whose first request carries no media (0..1)")
-    followup_media_share: float = param(0.2, "probability that a follow-up turn attaches new media (0..1)")
+    max_turns: int = param(8, "cap on turns per session", at_least=1)
+    text_only_share: float = param(0.2, "share of sessions whose first request carries no media (0..1)", at_most=1)
+    followup_media_share: float = param(0.2, "probability that a follow-up turn attaches new media (0..1)", at_most=1)
     extra_items_mean: float = param(0.3, "mean media items beyond the first in a request with media (Poisson)")
-    max_items: int = param(8, "cap on media items attached to one request")
+    max_items: int = param(8, "cap on media items attached to one request", at_least=1)
     image_share: float = param(0.75, "relative weight of images among media items")
     video_share: float = param(0.10, "relative weight of video clips among media items")
     audio_share: float = param(0.15, "relative weight of audio clips among media items")
-    image_pool: int = param(10_000, "distinct images in the content pool")
+    image_pool: int = param(10_000, "distinct images in the content pool", at_least=1)
     image_zipf: float = param(1.0, "Zipf exponent of image popularity")
     image_token_choices: str = param(
         "256,576,729,1024",
         "comma-separated tokens per image, one drawn per pool image (tokens; PaliGemma-224 256, "
         "LLaVA-1.5 CLIP-336 576, SigLIP-384 729, PaliGemma-448 1024)",
     )
-    video_pool: int = param(1_000, "distinct video clips in the content pool")
+    video_pool: int = param(1_000, "distinct video clips in the content pool", at_least=1)
     video_zipf: float = param(0.8, "Zipf exponent of video popularity")
-    video_tokens_per_s: float = param(1152.0, "tokens per second of video (2 frames/s x 576 tokens; published ~1K-10K)")
-    video_s_mean: float = param(10.0, "mean clip duration (s, log-normal)")
-    video_max_s: float = param(60.0, "cap on clip duration (s)")
-    audio_pool: int = param(1_000, "distinct audio clips in the content pool")
+    video_tokens_per_s: float = param(
+        1152.0, "tokens per second of video (2 frames/s x 576 tokens; published ~1K-10K)", above=0
+    )
+    video_s_mean: float = param(10.0, "mean clip duration (s, log-normal)", above=0)
+    video_max_s: float = param(60.0, "cap on clip duration (s)", above=0)
+    audio_pool: int = param(1_000, "distinct audio clips in the content pool", at_least=1)
     audio_zipf: float = param(0.8, "Zipf exponent of audio popularity")
-    audio_tokens_per_s: float = param(50.0, "tokens per second of audio (Whisper encoder: 1500 frames per 30 s)")
-    audio_s_mean: float = param(15.0, "mean audio duration (s, log-normal)")
-    audio_max_s: float = param(300.0, "cap on audio duration (s)")
-    system_prompts: int = param(8, "distinct system prompts shared across sessions")
+    audio_tokens_per_s: float = param(
+        50.0, "tokens per second of audio (Whisper encoder: 1500 frames per 30 s)", above=0
+    )
+    audio_s_mean: float = param(15.0, "mean audio duration (s, log-normal)", above=0)
+    audio_max_s: float = param(300.0, "cap on audio duration (s)", above=0)
+    system_prompts: int = param(8, "distinct system prompts shared across sessions", at_least=1)
     system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
     system_tokens_mean: float = param(400.0, "mean system prompt length (tokens)")
     user_tokens_mean: float = param(60.0, "mean user text per turn (tokens, log-normal)")

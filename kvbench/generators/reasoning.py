@@ -27,10 +27,12 @@ MAX_OUTPUT_TOKENS = 128_000
 
 @dataclass(frozen=True)
 class ReasoningParams:
-    session_rate: float = param(0.02, "new conversations per second (Poisson); low: each turn decodes for minutes")
+    session_rate: float = param(
+        0.02, "new conversations per second (Poisson); low: each turn decodes for minutes", above=0
+    )
     turns_mean: float = param(3.0, "mean turns per conversation (geometric)")
-    max_turns: int = param(16, "cap on turns per conversation")
-    system_prompts: int = param(8, "distinct system prompts shared across conversations")
+    max_turns: int = param(16, "cap on turns per conversation", at_least=1)
+    system_prompts: int = param(8, "distinct system prompts shared across conversations", at_least=1)
     system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
     system_tokens_mean: float = param(800.0, "mean system prompt length (tokens)")
     user_tokens_mean: float = param(600.0, "mean new user text per turn: a problem or a follow-up (tokens, log-normal)")
