@@ -9,7 +9,8 @@ token is always computed), so `cached_tokens` and the `/metrics` counters behave
 Faults (`--fault N:KIND`: the N-th request received, counting from 0, or `every=K:KIND`): http500, http429,
 http400, timeout (never answers), cut (drops the stream half-way), malformed (a line of invalid JSON), error
 (an error object inside the stream), html (a 200 HTML page, as a proxy's error page), json (a whole JSON answer
-where a stream was asked for). `--require-key K`: the /v1 routes answer 401 without a key and 403 with a wrong
+where a stream was asked for), nodetails (usage without prompt_tokens_details, as servers that keep no prefix
+cache report it). `--require-key K`: the /v1 routes answer 401 without a key and 403 with a wrong
 one, as vLLM's --api-key does; the key may come as a bearer token, an X-Api-Key header or a basic-auth password.
 """
 
@@ -24,7 +25,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-FAULTS = ("http500", "http429", "http400", "timeout", "cut", "malformed", "error", "html", "json")
+FAULTS = ("http500", "http429", "http400", "timeout", "cut", "malformed", "error", "html", "json", "nodetails")
 
 
 class FakeServer:
@@ -140,6 +141,8 @@ class FakeServer:
             "total_tokens": len(prompt) + out,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if fault == "nodetails":  # a server without prefix-cache accounting (no prompt_tokens_details)
+            del usage["prompt_tokens_details"]
         self._count(len(prompt), cached)
         if not body.get("stream") or fault == "json":
             text = {"message": {"role": "assistant", "content": "x" * out}} if chat else {"text": "x" * out}

@@ -19,10 +19,13 @@ from . import __version__
 from .backend import PointResult, StreamedPoint
 from .distributed import check_executor, run_distributed
 from .errors import KvbenchError
+from .failures import failure_summary
 from .live import is_online, run_live
 from .metrics import MetricSums
 from .plugins import load_backend
+from .redact import redact, redact_text
 from .results import WRITE_ROWS, ResultWriter
+from .rundir import RunDir, stamp
 from .stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
 from .traceio import TraceMeta
 from .tracescan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
@@ -32,8 +35,8 @@ DEFAULT_REPORTS = Path("reports")
 
 
 def new_run_id(backend: str, trace_path: Path) -> str:
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{backend}-{trace_path.stem}"
+    """The default run name; `RunDir.claim` adds a suffix when another run took it in the same second."""
+    return f"{stamp()}-{backend}-{trace_path.stem}"
 
 
 def _environment() -> dict:
@@ -102,12 +105,17 @@ def run_replay(
     workers: int = 1,
     executor: str = "local",
     ray_address: str = "",
+    overwrite: bool = False,
+    force: bool = False,
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
     are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
     `stream`: replay in bounded memory, the trace read by row group (None: when the trace is large).
     `resume` (live backends): continue the interrupted run in `out`, sending only what it did not answer.
-    `workers`, `executor`, `ray_address` (live backends): spread the load over Ray actors (`distributed`)."""
+    `workers`, `executor`, `ray_address` (live backends): spread the load over Ray actors (`distributed`).
+    Every option is checked before the run directory is claimed (`rundir`): an existing `out` is refused unless
+    `resume` or `overwrite`; `force` lets --resume go on with pacing options that differ from the first run's.
+    A run that fails before it measured anything leaves no directory behind."""
     trace_path = Path(trace_path)
     try:
         backend_cls = load_backend(backend_name)
@@ -119,34 +127,77 @@ def run_replay(
     if resume and not (online and out):
         raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
     trace = _open_trace(trace_path, False if online else stream, warmup)
-    meta, scanned = trace.meta, trace.scanned
-    if scanned is not None and not hasattr(backend, "replay_stream"):
+    if trace.scanned is not None and not hasattr(backend, "replay_stream"):
         raise KvbenchError(
             f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
             "replay it with --no-stream, or cut the trace shorter"
         )
-    run_dir = Path(out) if out else DEFAULT_REPORTS / new_run_id(backend_name, trace_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    config = redact({**backend.config(), "warmup": warmup})
+    if resume:
+        _check_resumable(Path(out), config, force)
+    claimed = RunDir.claim(
+        out, DEFAULT_REPORTS / new_run_id(backend_name, trace_path), resume=resume, overwrite=overwrite
+    )
+    run_dir = claimed.path
     summary = {
         "kvbench_version": __version__,
         "run_id": run_dir.name,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": command,
+        "command": redact_text(command) if command else command,
         "environment": _environment(),
         "trace": {
             "path": str(trace_path),
             **trace.facts,
-            "streamed": scanned is not None,
-            "block_size": meta.block_size,
-            "source": meta.source,
+            "streamed": trace.scanned is not None,
+            "block_size": trace.meta.block_size,
+            "source": trace.meta.source,
         },
         "backend": backend_name,
-        "config": {**backend.config(), "warmup": warmup},
+        "config": config,
         "infinite_cache": trace.infinite_cache,
         "points": [],
         "curves": [],
         "complete": False,
     }
+    try:
+        return _run(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
+                    resume, workers, executor, ray_address)  # fmt: skip
+    except Exception:
+        if not _measured(summary):
+            claimed.discard()
+        raise
+
+
+def _measured(summary: dict) -> bool:
+    """Whether a run got far enough to keep: an offline point finished, or a live request was sent."""
+    for point in summary["points"]:
+        requests = (point.get("latency") or {}).get("requests")
+        if requests is None or requests["sent"] > 0:
+            return True
+    return False
+
+
+def _check_resumable(out: Path, config: dict, force: bool) -> None:
+    """--resume goes on only with the pacing the interrupted run used (else its requests would mix two
+    schedules), unless forced."""
+    try:
+        before = json.loads((out / "summary.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        return  # RunDir.claim says what is missing
+    was, now = before.get("pacing") or {}, config.get("pacing") or {}
+    changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    if changed and not force:
+        diffs = "; ".join(f"{k}: {was.get(k)!r} then, {now.get(k)!r} now" for k in changed)
+        raise KvbenchError(
+            f"--resume {out}: pacing options differ from the interrupted run's ({diffs}); resume with the same "
+            "options, or add --force to mix the two schedules"
+        )
+
+
+def _run(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report, resume, workers,
+         executor, ray_address):  # fmt: skip
+    meta, scanned = trace.meta, trace.scanned
+    online = is_online(backend)
     _write_summary(run_dir, summary)
     if online:
         try:
@@ -171,6 +222,7 @@ def run_replay(
         except KeyboardInterrupt:
             summary["interrupted"] = True
         finally:
+            _count_failures(run_dir, summary)
             _finish(run_dir, summary, report, trace.table)
         return run_dir, summary
     writer = ResultWriter(run_dir / "requests.parquet")
@@ -203,6 +255,19 @@ def run_replay(
         writer.close()
         _finish(run_dir, summary, report, trace.table if scanned is None else None)
     return run_dir, summary
+
+
+def _count_failures(run_dir: Path, summary: dict) -> None:
+    """A live run's statuses and top error classes, for the terminal, the report and --max-failure-rate."""
+    if not summary["points"]:
+        return
+    from .results import read_requests
+
+    try:
+        requests = read_requests(run_dir, columns=["status", "error"])
+    except KvbenchError:
+        return  # nothing was written: the error that stopped the run says why
+    summary["points"][0]["failures"] = failure_summary(requests)
 
 
 def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:

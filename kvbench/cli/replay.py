@@ -10,7 +10,9 @@ import click
 
 from ..distributed import EXECUTORS
 from ..errors import KvbenchError
+from ..failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
 from ..plugins import backend_names, load_backend
+from ..redact import redact_argv
 from ..stats import DEFAULT_WARMUP
 from .render import console
 
@@ -55,7 +57,17 @@ class ReplayCommand(click.Command):
     show_default=True,
     help="backend plug-in (kvbench.backends entry points); its options are listed below",
 )
-@click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<run-id>/]")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="run directory; one that already holds a run is refused unless --resume or --overwrite "
+    "[default: reports/<UTC time>-<backend>-<trace>/, with -2, -3, … if another run took the name]",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="replace what --out holds (deleted once every option was checked, just before the new run starts)",
+)
 @click.option(
     "--warmup",
     type=click.FloatRange(0, 1, max_open=True),
@@ -80,7 +92,16 @@ class ReplayCommand(click.Command):
     "--resume",
     is_flag=True,
     help="live backends: continue the interrupted run in --out DIR; requests it answered (ok, error, timeout) "
-    "are kept, the rest are sent",
+    "are kept, the rest are sent. Refused when the pacing options differ from the first run's, unless --force",
+)
+@click.option("--force", is_flag=True, help="with --resume: go on although the pacing options changed")
+@click.option(
+    "--max-failure-rate",
+    type=click.FloatRange(0, 1),
+    default=DEFAULT_MAX_FAILURE_RATE,
+    show_default=True,
+    help="live backends: the share of sent requests (0-1) that may fail (error or timeout) before the command "
+    "exits with status 3; the results are written either way. 0: any failed request fails the run",
 )
 @click.option(
     "--workers",
@@ -105,7 +126,21 @@ class ReplayCommand(click.Command):
     "[default: start a local cluster for this run]",
 )
 def replay(
-    trace_path, backend, out, warmup, as_json, report, stream, resume, workers, executor, ray_address, **backend_options
+    trace_path,
+    backend,
+    out,
+    overwrite,
+    warmup,
+    as_json,
+    report,
+    stream,
+    resume,
+    force,
+    max_failure_rate,
+    workers,
+    executor,
+    ray_address,
+    **backend_options,
 ):
     """Replay TRACE through a backend and write requests.parquet, summary.json and reports.
 
@@ -145,7 +180,7 @@ def replay(
             backend_options,
             out=out,
             warmup=warmup,
-            command=shlex.join(["kvbench", *sys.argv[1:]]),
+            command=shlex.join(redact_argv(["kvbench", *sys.argv[1:]])),
             progress=progress,
             report=report,
             stream=stream,
@@ -153,6 +188,8 @@ def replay(
             workers=workers,
             executor=executor,
             ray_address=ray_address,
+            overwrite=overwrite,
+            force=force,
         )
     for w in summary.get("workers") or ():
         if w["status"] == "dead":
@@ -165,11 +202,25 @@ def replay(
             )
     if as_json:
         click.echo(json.dumps(summary, indent=2))
-        return
+    else:
+        _print_points(summary)
+        click.echo(f"results in {run_dir}/ (summary.json, requests.parquet{', report.html' if report else ''})")
+    _exit_status(summary, run_dir, max_failure_rate)
+
+
+def _token_hit_rate(point: dict) -> str:
+    hr = point["hit_rate"]["token"]
+    if point.get("cached_tokens_reported") is False:  # a live server that sends no usage.prompt_tokens_details
+        return "token hit rate n/a (the server reports no cached tokens)"
+    return f"token hit rate {hr['all']:.4f} all, {hr['steady']:.4f} steady"
+
+
+def _print_points(summary: dict) -> None:
     for p in summary["points"]:
-        hr = p["hit_rate"]["token"]
         flag = "  (underfilled: the cache never filled during warm-up)" if p.get("underfilled") else ""
-        click.echo(f"{p['name']:>28}: token hit rate {hr['all']:.4f} all, {hr['steady']:.4f} steady{flag}")
+        click.echo(f"{p['name']:>28}: {_token_hit_rate(p)}{flag}")
+        if "failures" in p:
+            click.echo(f"{'requests':>28}: {describe(p['failures'])}")
     if summary.get("workers"):
         workers = summary["workers"]
         alive = sum(w["status"] == "alive" for w in workers)
@@ -177,4 +228,33 @@ def replay(
         click.echo(f"{'workers':>28}: {alive} of {len(workers)} alive, schedule lag p99 at most {lag:.1f} ms")
     for c in summary["curves"]:
         click.echo(f"{c['policy'] + ' curve':>28}: {len(c['capacity_blocks'])} capacities, see report.html")
-    click.echo(f"results in {run_dir}/ (summary.json, requests.parquet{', report.html' if report else ''})")
+
+
+def _exit_status(summary: dict, run_dir, max_failure_rate: float) -> None:
+    """Exit 130 after an interruption (with how to go on), 3 when too many requests failed, else 0."""
+    if summary.get("interrupted"):
+        live = any("failures" in p for p in summary["points"])
+        how = (
+            f"resume with: {shlex.join(redact_argv(['kvbench', *_resume_args(run_dir)]))}"
+            if live
+            else "the finished points are kept; rerun to measure the rest"
+        )
+        click.secho(f"interrupted: {how}", fg="yellow", err=True)
+        sys.exit(130)
+    for p in summary["points"]:
+        if "failures" in p:
+            check_failure_rate(p["failures"], max_failure_rate)
+
+
+def _resume_args(run_dir) -> list[str]:
+    """The command that was run, with --out RUN_DIR and --resume (and without --overwrite)."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--out", "--overwrite", "--resume") or arg.startswith("--out="):
+            skip = arg == "--out"
+            continue
+        args.append(arg)
+    return [*args, "--out", str(run_dir), "--resume"]

@@ -131,7 +131,7 @@ def test_salted_tenants_never_share_blocks(tmp_path):
             path,
             "sim",
             {"policy": "lru", "capacity": "100", "bound": False, **dict(flags)},
-            out=tmp_path / path.stem,
+            out=tmp_path / f"{path.stem}-{len(flags)}",
             report=False,
         )
         return s["by_tenant"][[g["name"] for g in s["by_tenant"]].index("y")]["hit_tokens"]
