@@ -95,3 +95,26 @@ def test_mix_puts_all_kinds_on_one_clock():
     assert max(ends.values()) == pytest.approx(min(ends.values()))
     native, _ = get("mix").run(2000, seed=4, clock="native")
     assert not native.column("arrival_s").equals(table.column("arrival_s"))
+
+
+@pytest.mark.parametrize(
+    "kind,option,value,message",
+    [
+        ("chat", "session_rate", -1.0, "--session-rate -1.0 must be > 0"),
+        ("chat", "session_rate", 0.0, "--session-rate 0.0 must be > 0"),
+        ("chat", "user_tokens_sigma", float("nan"), "--user-tokens-sigma nan must be a finite number"),
+        ("chat", "max_turns", 0, "--max-turns 0 must be >= 1"),
+        ("agent", "fork_prob", 1.5, "--fork-prob 1.5 must be <= 1"),
+        ("multi-tenant", "diurnal_amplitude", 1.0, "--diurnal-amplitude 1.0 must be < 1"),
+        ("multi-tenant", "premium_priority", 101, "--premium-priority 101 must be <= 100"),
+        ("multimodal", "image_pool", 0, "--image-pool 0 must be >= 1"),
+        ("reasoning", "think_time_mean_s", -5.0, "--think-time-mean-s -5.0 must be >= 0"),
+    ],
+)
+def test_parameters_out_of_range_are_refused_naming_the_option(kind, option, value, message):
+    from kvbench.errors import KvbenchError
+
+    with pytest.raises(KvbenchError) as err:
+        get(kind).run(10, **{option: value})
+    assert message in str(err.value)
+    assert isinstance(err.value, ValueError)  # Python callers catching ValueError still do

@@ -56,6 +56,60 @@ def test_wrong_type_names_rows(small_trace):
     assert ("input_tokens", 2) in violations(t)
 
 
+def _retyped(table, column, values, type=None):
+    return table.set_column(table.column_names.index(column), column, pa.array(values, type))
+
+
+def test_numbers_written_as_text_are_refused_naming_column_and_rows(small_trace):
+    """'1200' would cast to 1200, but a producer that wrote text where the schema has integers is broken."""
+    text = [str(v) for v in small_trace.column("input_tokens").to_pylist()]
+    report = validate_table(_retyped(small_trace, "input_tokens", text), 4)
+    assert not report.ok
+    assert "column 'input_tokens' rows 0, 1, 2, 3, 4 (and 1 more): holds string values" in report.summary()
+    hashes = [[str(h) for h in hs] for hs in small_trace.column("block_hashes").to_pylist()]
+    assert ("block_hashes", 0) in violations(_retyped(small_trace, "block_hashes", hashes))
+    assert ("output_tokens", 0) in violations(_retyped(small_trace, "output_tokens", [True] * 6))
+
+
+def test_compatible_types_still_validate(small_trace):
+    """Wider integers, whole floats (pandas' integers with nulls), integer ids and all-null columns of any type."""
+    inp = small_trace.column("input_tokens").to_pylist()
+    assert validate_table(_retyped(small_trace, "input_tokens", inp, pa.int64()), 4).ok
+    assert validate_table(_retyped(small_trace, "input_tokens", [float(v) for v in inp]), 4).ok
+    assert validate_table(_retyped(small_trace, "turn", [None] * 6, pa.string()), 4).ok
+    fractional = [v + 0.5 for v in inp]
+    assert ("input_tokens", 0) in violations(_retyped(small_trace, "input_tokens", fractional))
+
+
+def test_null_block_ids_are_refused(small_trace):
+    hashes = small_trace.column("block_hashes").to_pylist()
+    hashes[2] = [None] + hashes[2][1:]
+    assert ("block_hashes", 2) in violations(_retyped(small_trace, "block_hashes", hashes, pa.list_(pa.uint64())))
+
+
+def test_trace_validate_gives_a_verdict_for_every_file(small_trace, tmp_path):
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.traceio import new_meta, write_trace
+
+    good, bad = tmp_path / "good.parquet", tmp_path / "bad.parquet"
+    write_trace(small_trace, good, new_meta(4, {}))
+    write_trace(small_trace, bad, new_meta(8, {}))  # block_hashes counted in 4-token blocks
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet")
+    files = [good, junk, tmp_path / "missing.parquet", bad, good]
+    result = CliRunner().invoke(main, ["trace", "validate", *map(str, files)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    out = result.output
+    assert out.count(f"{good}: valid (6 requests)") == 2 and f"{bad}: 1 rule(s) violated" in out
+    assert f"{junk}: cannot be read: not a readable Parquet file" in out
+    assert f"{tmp_path / 'missing.parquet'}: cannot be read: no such file" in out
+    assert "error: 2 of 5 trace(s) could not be read" in out
+    result = CliRunner().invoke(main, ["trace", "validate", str(good), str(bad)])
+    assert result.exit_code == 1
+
+
 def test_dependency_cycle_is_found():
     t = make_trace(depends_on=[["r2"], ["r0"], ["r1"], [], [], []])
     found = violations(t)
