@@ -364,7 +364,7 @@ def run_kvbench(cfg, url: str, work: Path, tag: str, n: int, rate: float, concur
     kv_rate = 1e9 if math.isinf(rate) else rate
     cmd = [sys.executable, "-c", "from kvbench.cli import main; main()", "replay", str(cfg.trace)]
     cmd += ["--backend", "openai", "--url", url, "--mode", "rate", "--rate", repr(kv_rate), "--seed", str(cfg.seed)]
-    cmd += ["--max-requests", str(n), "--no-report", "--out", str(out)]
+    cmd += ["--max-requests", str(n), "--no-report", "--overwrite", "--out", str(out)]  # rounds reuse the tag
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
     log = work / f"kvbench-{tag}.log"

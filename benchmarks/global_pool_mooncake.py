@@ -80,7 +80,7 @@ def kvbench(*args: str) -> float:
 def replay(trace: Path, out: Path, *options: str) -> tuple[dict, float, list[str]]:
     """One point: its summary, the replay's wall time, and the command line (without --out)."""
     args = ["replay", str(trace), "--no-report", *options]
-    wall = kvbench(*args, "--out", str(out))
+    wall = kvbench(*args, "--overwrite", "--out", str(out))
     summary = json.loads((out / "summary.json").read_text())
     return summary, wall, ["kvbench", "replay", trace.name, *args[2:]]  # recorded without this run's folders
 

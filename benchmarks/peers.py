@@ -146,6 +146,7 @@ def run_kvbench_replay(parquet: Path, repeat: int, tmp: Path) -> dict:
         "--no-bound",
         "--no-report",
         "--json",
+        "--overwrite",  # each round replaces the last one's run
         "--out",
         str(tmp / "kvbench-run"),
     ]

@@ -26,10 +26,12 @@ def failure_summary(requests: pa.Table) -> dict:
     status = requests.column("status").to_pylist()
     errors = requests.column("error").to_pylist()
     counts = Counter(status)
-    failed = [e for s, e in zip(status, errors) if s in ("error", "timeout")]
     total = len(status)
-    n_failed = counts["error"] + counts["timeout"]
-    sent = total - counts["not_sent"]
+    unsent = counts["not_sent"] + counts["cancelled"]
+    # error, timeout, and whatever else was sent and not answered (a distributed run's worker_lost)
+    failed = [e for s, e in zip(status, errors) if s not in ("ok", "not_sent", "cancelled")]
+    n_failed = len(failed)
+    sent = total - unsent
     return {
         "requests": total,
         "ok": counts["ok"],

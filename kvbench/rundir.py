@@ -33,6 +33,13 @@ def fresh_dir(base: Path) -> Path:
     raise KvbenchError(f"{base}: {MAX_SUFFIX} runs of this name already exist; give --out DIR")
 
 
+def check_new_file(path: Path | str, overwrite: bool, what: str) -> None:
+    """Refuse to replace an existing result file unless --overwrite (checked before the work that writes it)."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise KvbenchError(f"{path}: already holds a {what}; choose another path or replace it with --overwrite")
+
+
 def _holds_something(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
 
@@ -53,10 +60,17 @@ class RunDir:
 
     @classmethod
     def claim(
-        cls, out: Path | str | None, default: Path, *, resume: bool = False, overwrite: bool = False, what="run"
+        cls,
+        out: Path | str | None,
+        default: Path,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        what: str = "run",
+        resumable: bool = True,
     ) -> RunDir:
         """The run directory for `--out OUT` (None: a fresh one named after `default`). Call it only after every
-        option was checked: --overwrite empties OUT here."""
+        option was checked: --overwrite empties OUT here. `resumable`: the command has --resume (for the hint)."""
         if resume and overwrite:
             raise KvbenchError("--resume continues a run and --overwrite replaces it: give one of them")
         if out is None:
@@ -76,8 +90,8 @@ class RunDir:
             if not overwrite:
                 raise KvbenchError(
                     f"--out {path}: already holds a {what} ({', '.join(sorted(p.name for p in path.iterdir())[:4])}"
-                    f"{', …' if len(list(path.iterdir())) > 4 else ''}); choose another --out, continue it with "
-                    "--resume, or replace it with --overwrite"
+                    f"{', …' if len(list(path.iterdir())) > 4 else ''}); choose another --out, "
+                    f"{'continue it with --resume, ' if resumable else ''}or replace it with --overwrite"
                 )
             _empty(path)
             return cls(path, "empty")

@@ -206,6 +206,7 @@ def run_point(point: Point, grid: Grid, out_dir: Path, url: str | None = None, c
             out=run_dir,
             warmup=grid.warmup,
             command=f"{command or 'kvbench sweep'} [point {point.name}]",
+            overwrite=True,  # the sweep owns its points' folders: one left unfinished is run again
         )
     except Exception as exc:  # noqa: BLE001 - a failed point is recorded and the sweep goes on
         return {"status": "failed", "error": one_line(exc), "seconds": round(time.monotonic() - t0, 3)}

@@ -70,8 +70,9 @@ def _csv(default) -> str:
     type=click.Path(dir_okay=False, writable=True),
     required=True,
     help="path of the calibration file to write (TOML: [calibration] for engine-sim, [measurements] with every "
-    "point and the fit); written whole or not at all",
+    "point and the fit); written whole or not at all. An existing file is refused unless --overwrite",
 )
+@click.option("--overwrite", is_flag=True, help="replace the file --out names if it exists")
 @click.option(
     "--repeats",
     type=click.IntRange(min=1),
@@ -195,6 +196,7 @@ def calibrate(
     endpoint,
     api_key_env,
     out,
+    overwrite,
     repeats,
     max_num_batched_tokens,
     min_r2,
@@ -235,6 +237,9 @@ def calibrate(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..rundir import check_new_file
+
+    check_new_file(out, overwrite, "calibration")
     plan = C.Plan(
         prompt_lengths=prompt_lengths,
         context_lengths=context_lengths,

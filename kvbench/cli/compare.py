@@ -51,8 +51,10 @@ class LazyBar:
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
-    help="write DIR/compare.html (tables and plots), DIR/compare.md and DIR/compare.json instead of printing",
+    help="write DIR/compare.html (tables and plots), DIR/compare.md and DIR/compare.json instead of printing; "
+    "a DIR that already holds a comparison is refused unless --overwrite",
 )
+@click.option("--overwrite", is_flag=True, help="replace the comparison in --out DIR")
 @click.option(
     "--skip-first",
     type=click.IntRange(min=0),
@@ -62,7 +64,7 @@ class LazyBar:
     help="leave the live run's first N requests sent (requests, failed ones included) out of the model vs "
     "measurement errors: engines pay one-off costs (compilation, cold caches) on their first requests",
 )
-def compare(runs, as_json, out, skip_first):
+def compare(runs, as_json, out, overwrite, skip_first):
     """Put run directories side by side: token hit rates (0..1), TTFT/TPOT/ITL/E2EL percentiles (ms) with 95%
     bootstrap intervals (1000 resamples of requests, seeded), each run's difference from the first run that
     measured latency (the baseline), flagged when it exceeds noise, throughput (requests/s) and failures;
@@ -77,7 +79,10 @@ def compare(runs, as_json, out, skip_first):
     Example: kvbench compare reports/chat-live reports/chat-sim --out reports/chat-compare
     """
     from ..compare import compare as run_compare
+    from ..rundir import check_new_file
 
+    if out is not None:
+        check_new_file(out / "compare.json", overwrite, "comparison")
     bar = LazyBar()
     try:
         cmp = run_compare(list(runs), progress=bar, skip_first=skip_first)

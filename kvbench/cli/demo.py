@@ -13,10 +13,10 @@ from .render import console
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
-    default=Path("reports/demo"),
-    show_default=True,
-    help="directory for the traces, the runs and index.html",
+    help="directory for the traces, the runs and index.html; one that holds something is refused unless "
+    "--overwrite [default: reports/demo, or reports/demo-2, -3, … when taken]",
 )
+@click.option("--overwrite", is_flag=True, help="replace what --out holds")
 @click.option(
     "-n",
     "--requests",
@@ -36,14 +36,16 @@ from .render import console
     "minutes, about 3.5 GB) and replay the first 40 fitting requests of each workload against it, beside the "
     "simulator's prediction",
 )
-def demo(out, n, seed, live):
+def demo(out, overwrite, n, seed, live):
     """Generate every workload kind, replay each through the cache simulator over a small policy × capacity
     grid (with the Belady bound and the one-pass LRU curve), and write OUT/index.html linking every report."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ..demo import demo_backends, run_demo
     from ..generators import registry
+    from ..rundir import RunDir
 
+    out = RunDir.claim(out, Path("reports/demo"), overwrite=overwrite, what="demo", resumable=False).path
     steps = len(registry()) * (1 + len(demo_backends()) + (2 if live else 0)) + 1 + live
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True

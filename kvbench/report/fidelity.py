@@ -65,9 +65,9 @@ def _is_off(statistic: str, metric: str, value) -> bool:
 
 def off_target(table: dict) -> list[list[bool]]:
     """Per cell of `format_rows(table)`'s body, whether it misses its target."""
-    header, body = format_rows(table)
+    header, _ = format_rows(table)
     flags = []
-    for (_, errors), cells in zip(rows(table), body):
+    for _, errors in rows(table):
         row = []
         for title in header:
             metric, statistic = _JUDGED.get(title, (None, None))

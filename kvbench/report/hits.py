@@ -14,13 +14,21 @@ MAX_GROUPS = 30  # bars and table rows per breakdown: beyond that a plot is unre
 
 
 def points_section(summary: dict) -> Section:
+    def rates(p: dict) -> list[str]:
+        if p.get("cached_tokens_reported") is False:  # a 0 % hit rate would be a guess, not a measurement
+            return ["n/a"] * 4
+        hr = p["hit_rate"]
+        return [
+            pct(hr["token"]["all"]),
+            pct(hr["token"]["steady"]),
+            pct(hr["block"]["all"]),
+            pct(hr["block"]["steady"]),
+        ]
+
     rows = [
         [
             p["name"],
-            pct(p["hit_rate"]["token"]["all"]),
-            pct(p["hit_rate"]["token"]["steady"]),
-            pct(p["hit_rate"]["block"]["all"]),
-            pct(p["hit_rate"]["block"]["steady"]),
+            *rates(p),
             num(p.get("evictions")),
             num(p["fairness"]["jain"]["hit_rate"]),
             "yes" if p.get("underfilled") else "",
@@ -42,6 +50,8 @@ def points_section(summary: dict) -> Section:
         f"Infinite-cache bound (every block ever seen stays cached): {pct(inf['all'])} of all tokens, "
         f"{pct(inf['steady'])} in the steady state (after the warm-up share of requests)."
     )
+    if any(p.get("cached_tokens_reported") is False for p in summary["points"]):
+        note += " n/a: the server reported no cached tokens (no usage.prompt_tokens_details), so nothing is known."
     return Section("Hit rate per point", [Table(header, rows), note] if rows else [note])
 
 

@@ -52,6 +52,21 @@ def run_section(summary: dict, truncated: bool) -> Section:
     return Section("Run", items)
 
 
+def requests_section(point: dict) -> Section:
+    """A live run's requests by outcome and its most common errors (`failures.failure_summary`)."""
+    f = point.get("failures")
+    if not f:
+        return Section("Requests")
+    rate = "–" if f["failure_rate"] is None else f"{f['failure_rate']:.1%}"
+    counts = [[f["requests"], f["ok"], f["failed"], f["timeout"], f["cancelled"], f["not_sent"], rate]]
+    items: list = [Table(["requests", "ok", "failed", "of which timeout", "cancelled", "not sent", "failed share"],
+                         [[num(v) if isinstance(v, int) else v for v in counts[0]]])]  # fmt: skip
+    if f["top_errors"]:
+        items.append("Most common errors (the class each error text starts with; requests.parquet has them all):")
+        items.append(Table(["error", "requests"], [[e["error"], num(e["count"])] for e in f["top_errors"]]))
+    return Section("Requests", items)
+
+
 def server_section(point: dict) -> Section:
     sc = point.get("server_counters")
     if not sc or not sc.get("available"):
@@ -112,6 +127,7 @@ def sections(
     out += breakdown_sections(summary)
     out.append(fairness_section(summary))
     if point is not None:
+        out.append(requests_section(point))
         out += latency_sections(point, requests)
         out.append(server_section(point))
         out.append(engine_section(point))

@@ -44,6 +44,10 @@ def test_failures_beyond_the_allowed_share_exit_3_and_keep_the_results(fake_serv
     assert "more than --max-failure-rate 0 allows" in done.output
     rows = read_requests(tmp_path / "default", columns=["status"])  # the results are there all the same
     assert rows.num_rows == N and rows.column("status").to_pylist().count("ok") == N - 6
+    # the report shows the same counts and classes
+    assert CliRunner().invoke(main, ["report", str(tmp_path / "default")]).exit_code == 0
+    report = (tmp_path / "default" / "report.md").read_text()
+    assert "## Requests" in report and "| http 500 | 5 |" in report and "| stream cut | 1 |" in report
     # a share the user allows is fine
     assert _replay(url, tmp_path / "allowed", "--max-failure-rate", "0.5").exit_code == 0
 
@@ -58,6 +62,8 @@ def test_no_cached_token_accounting_is_na_not_zero(fake_server, tmp_path):
     assert done.exit_code == 0, done.output
     assert "token hit rate n/a (the server reports no cached tokens)" in done.output
     assert "0.0000" not in done.output
+    assert CliRunner().invoke(main, ["report", str(tmp_path / "nodetails")]).exit_code == 0
+    assert "n/a: the server reported no cached tokens" in (tmp_path / "nodetails" / "report.md").read_text()
 
 
 def test_an_interrupted_run_exits_130_and_says_how_to_resume(tmp_path):
