@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .calibrate.endpoint import base_url
 from .errors import KvbenchError
+from .redact import redact_text, redact_url
 
 PROBE_TOKENS = 512  # long enough to fill several blocks at any common block size (16 … 256)
 
@@ -111,14 +113,14 @@ def audit_isolation(url: str, model: str | None = None, vocab: int = 4096) -> di
     import aiohttp
 
     try:
-        result = asyncio.run(_audit(url.rstrip("/"), model, vocab))
+        result = asyncio.run(_audit(base_url(url), model, vocab))
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise KvbenchError(
-            f"cannot probe {url}: {type(exc).__name__}: {exc}; is the server up? (kvbench engine status)"
+            redact_text(f"cannot probe {url}: {type(exc).__name__}: {exc}; is the server up? (kvbench engine status)")
         ) from None
     text, ok = verdict(result["probes"])
     return {
-        "url": result["url"],
+        "url": redact_url(result["url"]),
         "model": result["model"],
         "verdict": text,
         "passed": ok,

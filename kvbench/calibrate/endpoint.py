@@ -26,6 +26,11 @@ class Prompts:
         return self.rng.integers(RESERVED_TOKENS, self.vocab, size=n).tolist()
 
 
+def base_url(url: str) -> str:
+    """The server's base address: `--url http://host:8000/v1/` (an OpenAI SDK base_url) means http://host:8000."""
+    return url.strip().rstrip("/").removesuffix("/v1")
+
+
 def shown(url: str) -> str:
     """`url` as messages show it: scheme, host, port and path, without credentials or a query."""
     parts = urlsplit(url if "://" in url else "http://" + url)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from ..errors import KvbenchError
-from .endpoint import Meter, Prompts, host_port, model_info, reset_prefix_cache, server_facts, shown
+from .endpoint import Meter, Prompts, base_url, host_port, model_info, reset_prefix_cache, server_facts, shown
 from .plan import DecodePoint, Plan, PrefillPoint, Progress, Result
 
 MIN_WINDOW_STEPS = 8  # decode steps a batch must run together for its step time to count
@@ -170,7 +170,7 @@ async def measure_async(
         raise KvbenchError(f"kvbench calibrate needs the live extra ({exc}); pip install 'kvbench[live]'") from None
 
     progress = progress or (lambda what, n: None)
-    base = url.rstrip("/")
+    base = base_url(url)
     parts = urlsplit(base)
     if not parts.scheme or parts.query or parts.fragment:
         raise KvbenchError(

@@ -136,10 +136,10 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     (the live send times, output lengths, scheduler limits and KV pool), and report per-request TTFT / TPOT /
     E2EL errors (MAPE, median ratio, p90) and cached-token exactness, overall, by workload and by tenant."""
     from .. import fidelity as F
-    from ..calibrate.endpoint import host_port, shown
+    from ..calibrate.endpoint import base_url, host_port, shown
     from ..runner import run_replay
 
-    url = url.rstrip("/")
+    url = base_url(url)
     name = Path(trace_path).stem if trace_path else workload
     run_dir = RunDir.claim(
         out, Path("reports") / f"{stamp()}-fidelity-{name}", what="fidelity run", resumable=False
