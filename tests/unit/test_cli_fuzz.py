@@ -6,6 +6,7 @@ bytes that are not Parquet); options are the strings a user could type for --cap
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from pathlib import Path
@@ -163,8 +164,6 @@ def _mutations(table: pa.Table):
 def malformed_traces(draw, table: pa.Table, metadata: dict):
     """(label, file bytes): a table broken by one mutation with the trace's metadata, broken metadata on the good
     table, or bytes that are no Parquet file at all."""
-    import io
-
     choice = draw(st.sampled_from(["rows", "rows", "rows", "metadata", "bytes"]))
     if choice == "bytes":
         good = io.BytesIO()
