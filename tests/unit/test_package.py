@@ -42,12 +42,59 @@ def test_the_wheel_holds_every_module(tmp_path):
     import zipfile
 
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(REPO), "-w", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(REPO),
+            "-w",
+            str(tmp_path),
+        ],
         check=True,
         capture_output=True,
     )
     (wheel,) = tmp_path.glob("kvbench-*.whl")
     shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
     sources = {f"kvbench/{p.relative_to(REPO / 'kvbench').as_posix()}" for p in (REPO / "kvbench").rglob("*.py")}
-    sources |= {f"kvbench/backends/{p.relative_to(REPO / 'backends').as_posix()}" for p in (REPO / "backends").rglob("*.py")}
+    sources |= {
+        f"kvbench/backends/{p.relative_to(REPO / 'backends').as_posix()}" for p in (REPO / "backends").rglob("*.py")
+    }
     assert sources - shipped == set()
+
+
+def test_the_cli_and_every_backend_load_without_the_extras(tmp_path):
+    """`pip install kvbench` installs no extra, and `kvbench demo` must run there (.ci/check-wheel does, from the
+    wheel): the CLI and every backend's entry point load with the extras' modules (aiohttp, orjson, torch, ray,
+    ...) unimportable. A backend imports them where it uses them, not when it is loaded."""
+    import re
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    blocked = sorted(
+        {
+            re.split(r"[<>=!~\[; ]", req)[0].lower().replace("-", "_")
+            for x in ("torch", "live", "ray")
+            for req in extras[x]
+        }
+    )
+    code = f"""
+import importlib.abc, sys
+BLOCKED = {blocked!r}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: an extra)", name=name)
+sys.meta_path.insert(0, Block())
+import kvbench.cli
+from kvbench import plugins
+from kvbench.demo import demo_backends
+for name in plugins.backend_names():
+    plugins.load_backend(name)
+print(demo_backends())
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sim" in out.stdout
