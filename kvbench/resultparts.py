@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 
 PARTS_DIR = "requests.parts"  # next to requests.parquet
 TEMP_SUFFIX = ".tmp"  # a file being written: never read, removed by the next writer
-COMPRESSION = "zstd"
+COMPRESSION = "zstd"  # of requests.parquet
+PART_COMPRESSION = "lz4"  # of the parts, read once by the merge: cheaper to write and to read back
 
 
 def parts_dir(results_path: Path) -> Path:
@@ -49,13 +50,15 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_durably(batches: Iterable[pa.Table | pa.RecordBatch], schema: pa.Schema, path: Path) -> int:
+def write_durably(
+    batches: Iterable[pa.Table | pa.RecordBatch], schema: pa.Schema, path: Path, compression: str = COMPRESSION
+) -> int:
     """Write `batches` as the Parquet file `path`, which appears whole or not at all; returns the row count.
     The temporary file is removed if writing fails or is interrupted (Ctrl-C)."""
     tmp = path.with_name(path.name + TEMP_SUFFIX)
     rows = 0
     try:
-        with pq.ParquetWriter(tmp, schema, compression=COMPRESSION) as writer:
+        with pq.ParquetWriter(tmp, schema, compression=compression) as writer:
             for batch in batches:
                 table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
                 writer.write_table(table)
@@ -85,7 +88,7 @@ class PartWriter:
             fsync_dir(self.folder.parent)
         path = self.folder / f"part-{self.next_number:06d}.parquet"
         self.next_number += 1
-        self.rows += write_durably([table], self.schema, path)
+        self.rows += write_durably([table], self.schema, path, PART_COMPRESSION)
         return path
 
 
