@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.backend import PointResult
-from kvbench.capacity import KV_DTYPE_BYTES, parse_capacity
+from kvbench.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
 from kvbench.errors import KvbenchError
 from kvbench.latency import modeled_latency_summary
 from kvbench.traceio import TraceMeta
@@ -261,6 +261,10 @@ class EngineSimBackend:
         }
         self.scenarios = _scenarios.active(self.settings)  # checks the scenario options now, before any replay
         self.kv_dtype = kv_dtype
+        for key in ("hbm_capacity", "dram", "ssd", "global_pool"):  # sizes too (not 'less than a block': no trace yet)
+            if str(self.settings[key] or "0").strip() != "0":
+                model = self.model.name if self.model.name in MODELS else None
+                parse_capacity(str(self.settings[key]), 1, model, kv_dtype, "--" + key.replace("_", "-"))
 
     @classmethod
     def demo_options(cls, trace: pa.Table, meta: TraceMeta) -> dict:
@@ -273,8 +277,6 @@ class EngineSimBackend:
     def _blocks(self, text: str, bs: int, option: str) -> int:
         if str(text).strip() in ("", "0"):
             return 0
-        from kvbench.capacity import MODELS
-
         model = self.model.name if self.model.name in MODELS else None  # --specs models: blocks or tokens
         return parse_capacity(str(text), bs, model, self.kv_dtype, option).blocks
 
