@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import generator, get, param
+from . import BadParameter, generator, get, param
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ def parse_weights(spec: str) -> dict[str, float]:
         except ValueError:
             weights[kind.strip()] = float("nan")
         if not weights[kind.strip()] >= 0:
-            raise ValueError(f"mix weight {part!r} must look like kind=weight with weight >= 0")
+            raise BadParameter(f"--weights {spec!r}: {part!r} must look like kind=weight with weight >= 0")
     if not weights or sum(weights.values()) <= 0:
-        raise ValueError("mix weights must name at least one kind with a weight > 0")
+        raise BadParameter(f"--weights {spec!r} must name at least one kind with a weight > 0")
     if "mix" in weights:
-        raise ValueError("a mix cannot contain itself")
+        raise BadParameter(f"--weights {spec!r}: a mix cannot contain itself")
     return weights
 
 
@@ -51,7 +51,7 @@ def mix(p: MixParams, n: int, seed: int, block_size: int) -> pa.Table:
     counts = np.floor(share * n).astype(int)
     counts[np.argsort(-(share * n - counts), kind="stable")[: n - counts.sum()]] += 1
     if p.clock not in ("native", "shortest", "longest"):
-        raise ValueError(f"mix clock {p.clock!r} must be native, shortest or longest")
+        raise BadParameter(f"--clock {p.clock!r} must be native, shortest or longest")
     parts = []
     for i, (kind, count) in enumerate(zip(kinds, counts)):
         if count > 0:

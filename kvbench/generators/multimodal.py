@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from ..blockhash import content_ids, mix, name_key
 from ..schema import MM_ITEM
-from . import generator, param
+from . import BadParameter, generator, param
 from ._common import (
     Conversations,
     Segments,
@@ -83,9 +83,14 @@ def _pool_tokens(p: MultimodalParams, modality: str, seed: int) -> np.ndarray:
     """Token count of every item of a modality's pool: fixed per item, so a reused item has equal length."""
     rng = rng_for(seed, "multimodal", modality, "pool")
     if modality == "image":
-        choices = np.array([int(x) for x in p.image_token_choices.split(",") if x.strip()], dtype=np.int64)
+        try:
+            choices = np.array([int(x) for x in p.image_token_choices.split(",") if x.strip()], dtype=np.int64)
+        except (ValueError, OverflowError):
+            choices = np.zeros(1, np.int64)
         if choices.size == 0 or np.any(choices <= 0):
-            raise ValueError("image_token_choices needs positive integers, e.g. '256,576'")
+            raise BadParameter(
+                f"--image-token-choices {p.image_token_choices!r} needs positive integers, e.g. '256,576'"
+            )
         return rng.choice(choices, size=p.image_pool)
     pool, per_s, mean_s, max_s = (
         (p.video_pool, p.video_tokens_per_s, p.video_s_mean, p.video_max_s)

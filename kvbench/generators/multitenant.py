@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from ..blockhash import content_ids, name_key
 from ..schema import DEFAULT_PRIORITY
-from . import generator, param
+from . import BadParameter, generator, param
 from ._common import (
     Conversations,
     Segments,
@@ -90,6 +90,13 @@ class MultiTenantParams:
     lora_session_share: float = param(
         0.8, "share of an adapter-owning tenant's sessions that use one of its adapters", at_most=1
     )
+
+    def __post_init__(self):
+        if self.premium_share + self.free_share > 1:
+            raise BadParameter(
+                f"--premium-share {self.premium_share} and --free-share {self.free_share} add up to more than 1 "
+                "(the rest of the tenants are standard)"
+            )
 
 
 def _session_starts(p: MultiTenantParams, rng: np.random.Generator, size: int) -> np.ndarray:
