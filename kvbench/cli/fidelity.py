@@ -127,11 +127,13 @@ def _modeled_trace(trace: Path, live_dir: Path, out: Path) -> int:
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
-    help="run directory; one that holds something is refused [default: reports/<time>-fidelity-<name>]",
+    help="run directory; one that holds something is refused unless --overwrite "
+    "[default: reports/<time>-fidelity-<name>]",
 )
+@click.option("--overwrite", is_flag=True, help="replace what --out holds")
 def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, concurrency, max_output_tokens,
              calibration, calibrate_repeats, max_num_seqs, max_num_batched_tokens, hbm_capacity, block_size, sim_model,
-             hardware, skip_first, out):  # fmt: skip
+             hardware, skip_first, out, overwrite):  # fmt: skip
     """How far engine-sim is from a live engine on the same requests: calibrate, replay live, replay modeled
     (the live send times, output lengths, scheduler limits and KV pool), and report per-request TTFT / TPOT /
     E2EL errors (MAPE, median ratio, p90) and cached-token exactness, overall, by workload and by tenant."""
@@ -142,7 +144,7 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     url = base_url(url)
     name = Path(trace_path).stem if trace_path else workload
     run_dir = RunDir.claim(
-        out, Path("reports") / f"{stamp()}-fidelity-{name}", what="fidelity run", resumable=False
+        out, Path("reports") / f"{stamp()}-fidelity-{name}", overwrite=overwrite, what="fidelity run", resumable=False
     ).path
     try:
         server = asyncio.run(_server(url, model))

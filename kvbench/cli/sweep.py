@@ -304,8 +304,8 @@ def sweep(
     """
     ctx = click.get_current_context()
     grid, toml = _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options)
-    out_dir = _sweep_dir(out or toml.get("out"))
     executor = _executor_settings(ctx, toml, locals())
+    out_dir = _sweep_dir(out or toml.get("out"))  # claimed once every option was checked
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(

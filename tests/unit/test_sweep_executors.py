@@ -28,14 +28,19 @@ NAMES = {f"chat_sim_{p}_{c}" for p in ("lru", "fifo") for c in (1000, 3000, 1000
 RAISES_ONCE, DIES_ONCE, DIES_ALWAYS = "chat_sim_lru_1000", "chat_sim_lru_3000", "chat_sim_fifo_3000"
 
 
+def faults_dir(out) -> Path:
+    """Beside the sweep folder, not in it: a sweep refuses a folder that holds something else."""
+    return Path(out).with_name(Path(out).name + "-faults")
+
+
 class FaultyTask(PointTask):
-    """PointTask with the faults that OUT/faults.json names, in place of the sweep's own. Files, because the
-    worker (this process, a spawned one or a Ray worker, which imports this class from this module) and
-    the test must both see them: each try counts itself in OUT/<point>.tries."""
+    """PointTask with the faults that OUT-faults/faults.json names, in place of the sweep's own. Files, because
+    the worker (this process, a spawned one or a Ray worker, which imports this class from this module) and
+    the test must both see them: each try counts itself in OUT-faults/<point>.tries."""
 
     def __call__(self, point):
-        faults = json.loads((Path(self.out_dir) / "faults.json").read_text())
-        marker = Path(self.out_dir) / f"{point.name}.tries"
+        faults = json.loads((faults_dir(self.out_dir) / "faults.json").read_text())
+        marker = faults_dir(self.out_dir) / f"{point.name}.tries"
         tries = int(marker.read_text()) + 1 if marker.exists() else 1
         marker.write_text(str(tries))
         fault = faults.get(point.name)
@@ -113,8 +118,8 @@ def test_ray_executor_matches_local_and_resumes(tmp_path, monkeypatch, local_run
 def _faulty_sweep(monkeypatch, out: Path, faults: dict, executor: str, retries: int, *extra, policies="lru,fifo"):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sweep_module, "PointTask", FaultyTask)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.json").write_text(json.dumps(faults))
+    faults_dir(out).mkdir(parents=True, exist_ok=True)
+    (faults_dir(out) / "faults.json").write_text(json.dumps(faults))
     r = sweep(
         "--trace", CHAT, "--policy", policies, "--capacity", "1000,3000,lots", "--no-bound",
         "--executor", executor, "--retries", retries, "--out", out, *extra,
@@ -145,7 +150,7 @@ def test_process_retries_and_dead_workers(tmp_path, monkeypatch):
         n: ("failed", 2) if n in failing else ("ok", 1) for n in points
     }
     assert points[DIES_ALWAYS]["error"].startswith("worker died") and "lots" in points["chat_sim_lru_lots"]["error"]
-    assert int((tmp_path / f"{DIES_ALWAYS}.tries").read_text()) >= 2
+    assert int((faults_dir(tmp_path) / f"{DIES_ALWAYS}.tries").read_text()) >= 2
 
 
 def test_ray_retries_and_dead_workers(tmp_path, monkeypatch, ray_cluster):

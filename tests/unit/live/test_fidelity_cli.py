@@ -50,7 +50,7 @@ def test_fidelity_runs_live_and_modeled_and_reports_the_errors(tmp_path):
         # an existing run is never overwritten
         before = (out / "summary.json").read_text()
         again = CliRunner().invoke(main, args)
-        assert again.exit_code != 0 and "already holds a run" in again.output
+        assert again.exit_code != 0 and "already holds a fidelity run" in again.output
         assert (out / "summary.json").read_text() == before
     finally:
         server.stop()
