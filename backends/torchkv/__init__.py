@@ -12,7 +12,7 @@ import click
 import pyarrow as pa
 
 from kvbench.backend import PointResult, Progress
-from kvbench.capacity import MODELS, parse_capacities, parse_capacity
+from kvbench.capacity import MODELS, check_capacities, parse_capacities, parse_capacity
 from kvbench.errors import KvbenchError
 from kvbench.hardware import HARDWARE
 from kvbench.traceio import TraceMeta
@@ -188,7 +188,8 @@ class TorchBackend:
         self.compute, self.verify, self.hardware = compute, verify, hardware
         self.threads = threads or (torch.get_num_threads() if compute else 1)
         self.salt, self.share_lora_kv = salt, share_lora_kv
-        self.policy_options = parse_policy_options(policy_options)
+        self.policy_options = parse_policy_options(policy_options, self.policies)  # refuses options none takes
+        check_capacities(capacity, model, self.kv_dtype)  # before any replay (less than a block waits for the trace)
 
     def config(self) -> dict:
         return {
