@@ -131,3 +131,8 @@ def test_sigterm_and_sighup_are_handled_as_ctrl_c():
     for name in ("SIGTERM", "SIGHUP"):
         out = subprocess.run([sys.executable, "-c", code % name], capture_output=True, text=True, timeout=60)
         assert "interrupted like Ctrl-C" in out.stdout, (name, out.stderr)
+    # a signal ignored when kvbench starts (`nohup`) stays ignored
+    nohup = "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" + code % "SIGHUP"
+    nohup = nohup.replace("time.sleep(10)", "time.sleep(0.2); print('still running')")
+    out = subprocess.run([sys.executable, "-c", nohup], capture_output=True, text=True, timeout=60)
+    assert "still running" in out.stdout and "interrupted" not in out.stdout, out.stderr
