@@ -10,6 +10,7 @@ import io
 import os
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -160,6 +161,16 @@ def _mutations(table: pa.Table):
     ]
 
 
+class Malformed(NamedTuple):
+    """A broken trace file's bytes; shown by its label alone (a falsifying example stays readable)."""
+
+    label: str
+    data: bytes
+
+    def __repr__(self) -> str:
+        return f"Malformed({self.label!r}, {len(self.data)} bytes)"
+
+
 @st.composite
 def malformed_traces(draw, table: pa.Table, metadata: dict):
     """(label, file bytes): a table broken by one mutation with the trace's metadata, broken metadata on the good
@@ -172,7 +183,7 @@ def malformed_traces(draw, table: pa.Table, metadata: dict):
         cut = draw(
             st.one_of(st.just(b""), st.binary(max_size=64), st.integers(1, len(data) - 1).map(lambda k: data[:k]))
         )
-        return "bytes", cut
+        return Malformed("bytes", cut)
     if choice == "metadata":
         meta = dict(metadata)
         key = draw(st.sampled_from([b"kvbench.block_size", b"kvbench.schema_version"]))
@@ -188,7 +199,7 @@ def malformed_traces(draw, table: pa.Table, metadata: dict):
         out = make(draw).replace_schema_metadata(metadata)
     buffer = io.BytesIO()
     pq.write_table(out, buffer)
-    return label, buffer.getvalue()
+    return Malformed(label, buffer.getvalue())
 
 
 def _write(data: bytes) -> Path:
@@ -243,42 +254,48 @@ BAD_CAPACITIES = st.one_of(
 )
 
 
-@st.composite
-def bad_options(draw):
-    """Options that must be refused, as a user could type them (each list is a `kvbench replay` tail)."""
-    kind = draw(st.sampled_from(["capacity", "policy", "quota", "quota-lru", "fraction", "warmup", "duration"]))
-    text = st.text(max_size=12)
-    if kind == "capacity":
-        return ["--capacity", draw(BAD_CAPACITIES)]
-    if kind == "policy":
-        name = draw(st.one_of(st.sampled_from(["", ",", "LRU", "lru,,", "nope", "lru nope"]), text))
-        names = [p.strip() for p in name.split(",")]
-        known = {"belady", "fifo", "lfu", "lru", "priority-lru", "radix-lru", "s3fifo", "tenant-quota", "vllm"}
-        if all(p in known for p in names if p) and any(names) and not name.startswith("-"):
-            name = "nope," + name  # (a text that happens to name policies only is fine: keep it bad)
-        return ["--policy", name, "--capacity", "50"]
-    if kind == "quota-lru":  # any quota under a policy that takes none
-        return ["--capacity", "50", "--quota", draw(st.one_of(st.just("a=0.5"), text))]
-    if kind == "quota":  # tenant-quota on a trace without tenants, or a malformed quota
-        return ["--policy", "tenant-quota", "--capacity", "50", "--quota", draw(st.one_of(text, st.just("a=nan")))]
-    if kind == "fraction":
-        value = draw(
-            st.one_of(st.sampled_from(["0", "-1", "1.5", "nan", "inf", "", "x"]), st.floats(1.0001, 1e300).map(repr))
-        )
-        return ["--policy", "s3fifo", "--capacity", "50", "--small-fraction", value]
-    if kind == "duration":
-        value = draw(st.sampled_from(["-1", "nan", "inf", "x", "", "-0.5"]))
-        return ["--policy", "priority-lru", "--capacity", "50", "--priority-duration-s", value]
-    value = draw(st.one_of(st.sampled_from(["-0.1", "1", "1.5", "nan", "x", ""]), st.floats(1, 1e300).map(repr)))
-    return ["--capacity", "50", "--warmup", value]
+_TEXT = st.text(max_size=12)
+_POLICIES = {"belady", "fifo", "lfu", "lru", "priority-lru", "radix-lru", "s3fifo", "tenant-quota", "vllm"}
 
 
-def test_bad_options_are_refused_cleanly(good, tmp_path_factory):
+def _surely_bad_policy(name: str) -> str:
+    names = [p.strip() for p in name.split(",")]
+    if all(p in _POLICIES for p in names if p) and any(names) and not name.startswith("-"):
+        return "nope," + name  # (a text that happens to name policies only is fine: keep it bad)
+    return name
+
+
+# Each family: `kvbench replay` option tails that must be refused, as a user could type them.
+BAD_OPTIONS = {
+    "capacity": BAD_CAPACITIES.map(lambda c: ["--capacity", c]),
+    "policy": st.one_of(st.sampled_from(["", ",", "LRU", "lru,,", "nope", "lru nope"]), _TEXT).map(
+        lambda p: ["--policy", _surely_bad_policy(p), "--capacity", "50"]
+    ),
+    # any quota under a policy that takes none
+    "quota-lru": st.one_of(st.just("a=0.5"), _TEXT).map(lambda q: ["--capacity", "50", "--quota", q]),
+    # tenant-quota on a trace without tenants, or a malformed quota
+    "quota": st.one_of(_TEXT, st.sampled_from(["a=nan", "a=-1", "a=1.5", ",", "=", "q.toml"])).map(
+        lambda q: ["--policy", "tenant-quota", "--capacity", "50", "--quota", q]
+    ),
+    "small-fraction": st.one_of(
+        st.sampled_from(["0", "-1", "1.5", "nan", "inf", "", "x"]), st.floats(1.0001, 1e300).map(repr)
+    ).map(lambda v: ["--policy", "s3fifo", "--capacity", "50", "--small-fraction", v]),
+    "priority-duration": st.sampled_from(["-1", "nan", "inf", "x", "", "-0.5"]).map(
+        lambda v: ["--policy", "priority-lru", "--capacity", "50", "--priority-duration-s", v]
+    ),
+    "warmup": st.one_of(st.sampled_from(["-0.1", "1", "1.5", "nan", "x", ""]), st.floats(1, 1e300).map(repr)).map(
+        lambda v: ["--capacity", "50", "--warmup", v]
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(BAD_OPTIONS))
+def test_bad_options_are_refused_cleanly(family, good, tmp_path_factory):
     """Refused for the option itself (a fresh --out), and never touching an earlier run (its --out)."""
     trace, run_dir, before = good
 
-    @FUZZ
-    @given(bad_options())
+    @settings(FUZZ, max_examples=40 if family == "capacity" else 12)
+    @given(BAD_OPTIONS[family])
     def check(options):
         fresh = tmp_path_factory.mktemp("bad") / "run"
         for out in (fresh, run_dir):
