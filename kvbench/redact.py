@@ -11,20 +11,14 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
 
-# a name is split into words at -, _, . and spaces; its last word says what it holds ("cached_tokens" holds a
-# count, "access_token" a secret)
-_SECRET_WORDS = {
-    "token",
-    "apikey",
-    "secret",
-    "password",
-    "passwd",
-    "authorization",
-    "credential",
-    "credentials",
-    "cookie",
+# a name is split into words at -, _, . and spaces; its last word says what it holds: "client_secret" and
+# "x-api-key" hold secrets, "cached_tokens" and "s_per_token" hold numbers, so "token" and "key" count only
+# after a word that makes them credentials ("access_token", "api_key") or alone
+_SECRET_WORDS = {"apikey", "secret", "password", "passwd", "authorization", "credential", "credentials", "cookie"}
+_OWNERS = {
+    "token": {"access", "auth", "api", "bearer", "refresh", "session", "hf", "github", "gh", "secret", "id", "x"},
+    "key": {"api", "access", "secret", "private", "auth", "subscription", "x"},
 }
-_KEY_OWNERS = {"api", "access", "secret", "private", "auth", "subscription", "x-api"}
 # user:password@ in any URL inside a text
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/@\s]+)@")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{4,}")
@@ -40,7 +34,9 @@ def is_secret_name(name: str) -> bool:
     if not words or words[-1] == "env":
         return False
     last = words[-1]
-    return last in _SECRET_WORDS or (last == "key" and (len(words) == 1 or words[-2] in _KEY_OWNERS))
+    if last in _OWNERS:
+        return len(words) == 1 or words[-2] in _OWNERS[last]
+    return last in _SECRET_WORDS
 
 
 def redact_url(url: str) -> str:

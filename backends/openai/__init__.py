@@ -26,7 +26,7 @@ from kvbench.prompts import words
 from kvbench.redact import is_secret_name, redact
 from kvbench.traceio import TraceMeta
 
-from .discovery import DEFAULT_KEY_ENV, ServerAddress, api_key, parse_headers, shown_headers
+from .address import DEFAULT_KEY_ENV, ServerAddress, api_key, parse_headers, shown_headers
 
 DEFAULT_VOCAB = 4096
 PROMPT_BATCH = 512  # at most this many requests' prompts are synthesised together…
