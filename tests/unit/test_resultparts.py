@@ -136,3 +136,20 @@ def test_sigterm_and_sighup_are_handled_as_ctrl_c():
     nohup = nohup.replace("time.sleep(10)", "time.sleep(0.2); print('still running')")
     out = subprocess.run([sys.executable, "-c", nohup], capture_output=True, text=True, timeout=60)
     assert "still running" in out.stdout and "interrupted" not in out.stdout, out.stderr
+
+
+def test_report_of_a_run_with_a_torn_results_file_names_the_file(tmp_path):
+    """What a run killed under an older kvbench left: one clear line naming the file, exit status 2."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.runner import run_replay
+
+    from ..conftest import REPO
+
+    trace = REPO / "traces/samples/chat.parquet"
+    run_dir, _ = run_replay(trace, "sim", {"policy": "lru", "capacity": "500"}, out=tmp_path / "r", report=False)
+    torn = run_dir / "requests.parquet"
+    torn.write_bytes(torn.read_bytes()[:1000])  # the footer never written
+    result = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert result.exit_code == 2 and f"{torn}: not a readable Parquet file" in result.output, result.output
