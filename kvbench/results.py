@@ -167,8 +167,8 @@ def read_requests(run_dir: Path, columns: list[str] | None = None, max_rows: int
         f = _open(path)
         tables.append(f.read(columns=[c for c in wanted if c in f.schema_arrow.names] if wanted else None))
     rows = _latest(pa.concat_tables(tables, promote_options="default"))
-    if columns is not None:
-        rows = rows.select(columns)
+    if columns is not None:  # (as ParquetFile.read does, a column no file has is left out)
+        rows = rows.select([c for c in columns if c in rows.column_names])
     return rows if max_rows is None else rows.slice(0, max_rows)
 
 
