@@ -23,6 +23,8 @@ def report(runs, trace_path):
     requests.parquet (after an interrupted run, or with a newer kvbench)."""
     from ..compare import load_run
     from ..report import write_reports
+    from ..resultparts import list_parts
+    from ..results import REQUESTS_FILE
     from ..traceio import read_trace
 
     for run in runs:
@@ -31,6 +33,9 @@ def report(runs, trace_path):
         trace = None
         if path.exists() and not summary["trace"].get("streamed"):
             trace, _ = read_trace(path)
+        parts = list_parts(run / REQUESTS_FILE)
+        if parts:  # a killed run: what it flushed is reported (a live run's --resume completes it)
+            click.echo(f"{run}: killed (or still running): reporting the {len(parts)} result parts it wrote")
         with console.status(f"rendering {run}"):
             write_reports(run, summary, trace)
         click.echo(f"{run}/report.html")
