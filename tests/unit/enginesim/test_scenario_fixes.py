@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from kvbench.rundir import fresh_dir
 from kvbench.runner import run_replay
 from kvbench.traceio import new_meta, write_trace
 
@@ -47,7 +48,8 @@ def replay(tmp_path, rows, name, **opts):
     path = tmp_path / f"{name}.parquet"
     if not path.exists():
         write_trace(pa.Table.from_pylist(rows), path, new_meta(BS, {"test": name}))
-    run_dir, summary = run_replay(path, "engine-sim", opts, out=tmp_path / f"run-{name}-{len(opts)}", report=False)
+    out = fresh_dir(tmp_path / f"run-{name}")  # a new folder for every replay: runs are never replaced
+    run_dir, summary = run_replay(path, "engine-sim", opts, out=out, report=False)
     return pq.read_table(run_dir / "requests.parquet").to_pydict(), summary["points"][0]
 
 
