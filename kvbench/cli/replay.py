@@ -237,7 +237,7 @@ def _exit_status(summary: dict, run_dir, max_failure_rate: float) -> None:
         how = (
             f"resume with: {shlex.join(redact_argv(['kvbench', *_resume_args(run_dir)]))}"
             if live
-            else "the finished points are kept; rerun to measure the rest"
+            else f"the points it finished are kept in {run_dir}/ (summary.json lists them)"
         )
         click.secho(f"interrupted: {how}", fg="yellow", err=True)
         sys.exit(130)
