@@ -13,7 +13,7 @@ next to the timings). Token-weighted prefix hit rates as `kvbench replay --backe
 (`kvbench.stats.hit_rates`): `all` = every request, `steady` = the requests after the warm-up share (the first
 50 %). Policies are enumerated from the registry (`kvbench.backends.sim.policies.registry()`):
 
-- `HitRateMooncake`: every policy at every capacity that DESIGN.md section 10 (and
+- `HitRateMooncake`: every policy at every capacity that docs/semantics.md, Reference figures (and
   ../shared/reference/mooncake_conversation.json) gives a reference number for: `MOONCAKE_CAPACITIES`
   blocks of 512 tokens. At radix-lru / fifo / belady (steady) and lru (all and steady) these values must
   equal the reference numbers; the other cells have no reference and are tracked for change only.
@@ -21,7 +21,7 @@ next to the timings). Token-weighted prefix hit rates as `kvbench replay --backe
   `SAMPLE_CAPACITY` blocks (2,048 blocks of 64 tokens = 131,072 tokens: below every sample's working set,
   so the policies differ).
 - `InfiniteCache`: the infinite-cache hit rate of each of those traces (Mooncake: 0.3736 all / 0.3981
-  steady, DESIGN.md section 10; samples: traces/README.md).
+  steady, docs/semantics.md, Reference figures; samples: traces/README.md).
 
 A policy whose `needs` the trace lacks (tenant-quota needs a tenant column) is skipped on that trace
 (NotImplementedError in setup: asv's skip), and so is every Mooncake benchmark when the trace is absent.
@@ -54,7 +54,7 @@ SAMPLES = sorted(p.stem for p in (REPO / "traces/samples").glob("*.parquet"))
 
 REPLAY_CAPACITY = 10_000  # blocks (5.1M tokens on Mooncake): speed benchmarks
 SAMPLE_CAPACITY = 2_048  # blocks (131,072 tokens at the samples' 64-token blocks)
-# Every capacity (blocks) that DESIGN.md section 10 / the reference JSON gives a Mooncake number for:
+# Every capacity (blocks) that docs/semantics.md (Reference figures) / the reference JSON gives a Mooncake number for:
 # lru 32 … 32768 (all and steady); radix-lru, fifo, belady 1000 … 100000 (steady).
 MOONCAKE_CAPACITIES = [32, 128, 512, 1000, 2048, 3000, 5859, 8192, 10000, 19531, 30000, 32768, 50000, 100000]
 POLICIES = sorted(policies.registry())
@@ -218,7 +218,7 @@ class HitRateMooncake(_Tracked):
 
     def track_steady_token_hit_rate(self, rates, policy, capacity):
         """Mooncake conversation trace (512-token blocks): steady-state (last 50 % of requests) token hit rate
-        of `policy` at `capacity_blocks` blocks. Reference (DESIGN.md section 10): radix-lru, fifo, belady at
+        of `policy` at `capacity_blocks` blocks. Reference (docs/semantics.md): radix-lru, fifo, belady at
         1000 … 100000 and lru at 32 … 32768."""
         return rates[policy][capacity]["steady"]
 
@@ -226,7 +226,7 @@ class HitRateMooncake(_Tracked):
 
     def track_token_hit_rate(self, rates, policy, capacity):
         """Mooncake conversation trace (512-token blocks): token hit rate over all requests of `policy` at
-        `capacity_blocks` blocks. Reference (DESIGN.md section 10): lru at 32 … 32768 (radix-lru in the
+        `capacity_blocks` blocks. Reference (docs/semantics.md): lru at 32 … 32768 (radix-lru in the
         reference JSON)."""
         return rates[policy][capacity]["all"]
 
@@ -274,14 +274,14 @@ class InfiniteCache(_Tracked):
 
     def track_steady_token_hit_rate(self, rates, trace):
         """Token hit rate of an unbounded cache (every block seen before hits, prefix rule), steady state (last
-        50 % of requests). Reference: Mooncake 0.3981 (DESIGN.md section 10); samples: traces/README.md."""
+        50 % of requests). Reference: Mooncake 0.3981 (docs/semantics.md); samples: traces/README.md."""
         return rates[trace]["steady"]
 
     track_steady_token_hit_rate.unit = "hit rate"
 
     def track_token_hit_rate(self, rates, trace):
         """Token hit rate of an unbounded cache (every block seen before hits, prefix rule), all requests.
-        Reference: Mooncake 0.3736 (DESIGN.md section 10); samples: traces/README.md."""
+        Reference: Mooncake 0.3736 (docs/semantics.md); samples: traces/README.md."""
         return rates[trace]["all"]
 
     track_token_hit_rate.unit = "hit rate"

@@ -1,4 +1,5 @@
-"""kvbench's simulator against what users would use instead (DESIGN.md section 9), in one run on this machine.
+"""kvbench's simulator against what users would use instead, in one run on this machine
+(docs/semantics.md, Reference figures).
 
 Usage (from the repository root):
 

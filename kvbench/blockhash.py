@@ -5,7 +5,7 @@ A prompt is described as a sequence of *segments*: runs of tokens whose content 
 Token j of a segment is "token j of content id c". The prompt is cut into blocks of `block_size` tokens;
 cutting splits segments into *pieces*, and a block's id is a hash of every piece from the start of the
 prompt to the end of that block. Hence equal id <=> same token content up to and including that block
-(DESIGN.md section 3), for any generator that describes equal content with equal segments.
+(docs/semantics.md, Block ids and prompts), for any generator that describes equal content with equal segments.
 
 All hashing is deterministic across processes and machines (splitmix64 and blake2b, never `hash()`).
 """

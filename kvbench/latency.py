@@ -1,4 +1,4 @@
-"""Latency metrics of a live run, defined as `vllm bench serve` defines them (DESIGN.md section 7), so that
+"""Latency metrics of a live run, defined as `vllm bench serve` defines them (docs/semantics.md, Latency), so that
 numbers compare: TTFT = first content chunk - send; E2EL = last content chunk - send; TPOT = (E2EL - TTFT) /
 (output tokens - 1) for requests with more than one output token; ITL = gaps between consecutive content
 chunks, pooled over requests; percentiles by linear interpolation; failed requests are left out and counted.

@@ -1,5 +1,5 @@
-"""Metrics of one configuration point (DESIGN.md section 7): hit rates overall, per tenant / workload /
-modality, and fairness across tenants.
+"""Metrics of one configuration point (docs/semantics.md, Hit rates and Fairness): hit rates overall, per
+tenant / workload / modality, and fairness across tenants.
 
 Every metric is a ratio of sums over requests, so `MetricSums` takes a point's results chunk by chunk, in row
 order, and keeps only sums (per label, per modality): a streamed replay reports a trace of any length in

@@ -1,5 +1,5 @@
 """When each request of a live replay is sent, and what happened to it (the runner's side of an online
-backend, DESIGN.md section 7).
+backend, docs/architecture.md, Backend protocols).
 
 Modes:
 - `trace`: open loop on the trace's timestamps, times `--time-scale` (2 = half the rate).

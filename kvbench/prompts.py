@@ -3,9 +3,9 @@
 A trace stores block ids, not text. Token i of block j is drawn from the block's id alone (splitmix64 of id and
 i), so two requests get the same tokens exactly where their block ids are equal, which is where the trace
 says they share content: an engine's prefix cache sees the sharing the trace describes, and nothing else
-(DESIGN.md section 3). Multimodal spans (`mm_items`) are then overwritten with a token run drawn from the
-item's content hash, so the same image, video or audio clip is the same tokens wherever it appears; that is
-how a text-only engine sees media (it cannot reuse an encoder output, only a prefix).
+(docs/semantics.md, Block ids and prompts). Multimodal spans (`mm_items`) are then overwritten with a token
+run drawn from the item's content hash, so the same image, video or audio clip is the same tokens wherever it
+appears; that is how a text-only engine sees media (it cannot reuse an encoder output, only a prefix).
 
 Engines cache by their own block size, usually smaller than the trace's. `rebase_blocks` gives a trace the
 block ids of another block size from the tokens synthesised here (not from the trace's ids): equal id exactly

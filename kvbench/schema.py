@@ -1,4 +1,4 @@
-"""Trace schema v1 (DESIGN.md section 3): the one Arrow schema every part of kvbench reads and writes."""
+"""Trace schema v1 (docs/semantics.md, Trace schema): the one Arrow schema every part of kvbench reads and writes."""
 
 from __future__ import annotations
 

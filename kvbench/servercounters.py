@@ -1,5 +1,5 @@
 """Server-side counters scraped from a Prometheus `/metrics` endpoint before and after a live run, and their
-reconciliation with what the requests reported (DESIGN.md section 7: reported separately, never mixed).
+reconciliation with what the requests reported (docs/semantics.md, Hit rates: reported separately, never mixed).
 
 Counter names per engine (sample names as exposed; checked against each engine's metrics code):
 - vLLM: vllm:prompt_tokens_total, vllm:prompt_tokens_cached_total, vllm:prefix_cache_queries_total and

@@ -6,14 +6,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-DEFAULT_WARMUP = 0.5  # fraction of requests treated as warm-up (kvcache.ai convention, DESIGN.md section 7)
+DEFAULT_WARMUP = 0.5  # fraction of requests treated as warm-up (kvcache.ai convention, docs/semantics.md, Hit rates)
 
 
 def infinite_cache_hits(block_hashes: pa.ChunkedArray | pa.ListArray) -> np.ndarray:
     """Hit blocks per request with an unbounded cache under the prefix rule.
 
     A block hits when an earlier request already had it, and only while every earlier block of the same
-    prompt hit too (prefix rule, DESIGN.md section 7).
+    prompt hit too (prefix rule, docs/semantics.md, Hit rates).
     """
     if isinstance(block_hashes, pa.ChunkedArray):
         block_hashes = block_hashes.combine_chunks()

@@ -1,4 +1,4 @@
-"""Trace validation: every rule of DESIGN.md section 3, each violation named by column and row."""
+"""Trace validation: every rule of docs/semantics.md (Validation rules), each violation named by column and row."""
 
 from __future__ import annotations
 

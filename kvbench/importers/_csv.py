@@ -181,7 +181,7 @@ class CsvFile:
         return arr
 
     def extra_columns(self) -> dict[str, pa.ChunkedArray]:
-        """Unknown columns, kept as strings under their own names (DESIGN: unknown extra columns are kept)."""
+        """Unknown columns, kept as strings under their own names (docs/semantics.md, Trace schema)."""
         return {h: self.table.column(h) for h in self.extra}
 
 

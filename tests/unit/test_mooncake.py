@@ -1,4 +1,4 @@
-"""The Mooncake importer and exporter against the FAST'25 conversation trace (DESIGN.md section 10)."""
+"""The Mooncake importer and exporter against the FAST'25 conversation trace (docs/semantics.md, Reference figures)."""
 
 import json
 import subprocess

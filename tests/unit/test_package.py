@@ -1,4 +1,4 @@
-"""Packaging: console script, extras, and the backend plug-in group (DESIGN.md section 2)."""
+"""Packaging: console script, extras, and the backend plug-in group (docs/architecture.md, Layers)."""
 
 import subprocess
 import sys

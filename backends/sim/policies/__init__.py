@@ -1,5 +1,5 @@
 """Eviction policies of the `sim` backend. Each module registers one policy with `@policy`; none is listed
-by hand. A policy provides two implementations of the same update rule (DESIGN.md section 5):
+by hand. A policy provides two implementations of the same update rule (docs/semantics.md, Policies):
 
 - `kernel(trace, capacity, options) -> SimOutput`: the compiled (numba) hot loop used for real runs;
 - `reference(trace, capacity, options) -> SimOutput`: a readable pure-Python version built on

@@ -1,5 +1,5 @@
 """`belady`: offline optimal with bypass on the prefix trie, the upper bound every report shows beside the real
-policies (DESIGN.md section 5).
+policies (docs/semantics.md, Policies).
 
 Same structure as `radix-lru` (leaf-first, the running request's blocks protected, a block inserted only
 below a cached parent), but a block's key is its next use: the index of the next request that references it,

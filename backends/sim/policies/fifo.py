@@ -1,8 +1,9 @@
-"""`fifo`: block FIFO (DESIGN.md section 5). Hits found by the prefix rule do not refresh anything. After the
+"""`fifo`: block FIFO (docs/semantics.md, Policies). Hits found by the prefix rule do not refresh anything. After the
 lookup every block of the request that is not cached is inserted, in prompt order (a cached one is skipped and
 the walk goes on with the next block); when the cache is full the oldest inserted block is evicted, with no
 protection for the current request's blocks, so on a tiny cache a request can push out its own earlier blocks.
-This is the FIFO of the kvcache.ai simulator: it reproduces the DESIGN.md section 10 numbers on Mooncake."""
+This is the FIFO of the kvcache.ai simulator: it reproduces the Mooncake numbers
+of docs/semantics.md, Reference figures."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`lru`: classic block LRU. After the lookup every block of the request is referenced in order: a cached
 block becomes most recent, a missing one is inserted and evicts the least recent block, which may be an
-earlier block of the same request when the capacity is tiny (DESIGN.md section 5)."""
+earlier block of the same request when the capacity is tiny (docs/semantics.md, Policies)."""
 
 from __future__ import annotations
 

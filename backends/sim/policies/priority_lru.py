@@ -1,4 +1,4 @@
-"""`priority-lru`: TensorRT-LLM's KV cache retention priorities on the prefix trie (DESIGN.md section 5).
+"""`priority-lru`: TensorRT-LLM's KV cache retention priorities on the prefix trie (docs/semantics.md, Policies).
 
 What TensorRT-LLM does (KvCacheRetentionConfig / TokenRangeRetentionConfig, its LRUEvictionPolicy): blocks
 carry a retention priority 0-100 (default 35); eviction takes a free leaf from the lowest non-empty priority

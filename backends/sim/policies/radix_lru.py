@@ -1,5 +1,5 @@
 """`radix-lru`: leaf-first LRU on the prefix trie, as SGLang's radix cache and the kvcache.ai simulator do it
-(DESIGN.md section 5).
+(docs/semantics.md, Policies).
 
 - The lookup touches only the hit prefix: each hit block becomes most recent, in prompt order.
 - The missing blocks are then inserted in prompt order, each becoming most recent. A cached block beyond

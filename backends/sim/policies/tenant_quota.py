@@ -1,4 +1,4 @@
-"""`tenant-quota`: per-tenant caps on the prefix trie (DESIGN.md section 5).
+"""`tenant-quota`: per-tenant caps on the prefix trie (docs/semantics.md, Policies).
 
 A block is owned by the tenant whose request inserted it (a hit by another tenant changes nothing), and a
 tenant's cached blocks never exceed its quota. Otherwise it is `radix-lru` (leaf-first LRU, the running

@@ -1,5 +1,5 @@
 """The one-pass curve (backends/sim/curve.py) is exact: at every capacity it gives the hit blocks a replay of the
-policy's kernel gives, and it reproduces the reference numbers of DESIGN.md section 10."""
+policy's kernel gives, and it reproduces the reference numbers of docs/semantics.md (Reference figures)."""
 
 import json
 import os
@@ -19,7 +19,7 @@ from ...conftest import REPO
 MOONCAKE = REPO / "traces/mooncake/conversation_trace.parquet"
 SAMPLES = sorted((REPO / "traces/samples").glob("*.parquet"))
 REFERENCE = Path(os.environ.get("KVBENCH_SHARED", REPO.parent / "shared")) / "reference/mooncake_conversation.json"
-# DESIGN.md section 10, classic block LRU on the Mooncake conversation trace (512-token blocks)
+# docs/semantics.md, Reference figures: classic block LRU on the Mooncake conversation trace (512-token blocks)
 LRU_REFERENCE = {
     "token_all": {32: 0.0329, 128: 0.0418, 512: 0.0430, 2048: 0.0560, 8192: 0.1847, 32768: 0.3415},
     "token_steady": {32: 0.0359, 128: 0.0446, 512: 0.0454, 2048: 0.0564, 8192: 0.1874, 32768: 0.3558},

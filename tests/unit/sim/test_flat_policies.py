@@ -1,4 +1,5 @@
-"""The flat block policies of the sim backend: vllm, fifo, lfu, s3fifo (DESIGN.md sections 5, 7 and 10).
+"""The flat block policies of the sim backend: vllm, fifo, lfu, s3fifo (docs/semantics.md: Policies, Hit rates,
+Reference figures).
 
 Each compiled kernel must agree exactly with its pure-Python reference; the references run here with checking
 hooks (capacity, pinned blocks, queue bookkeeping, salt isolation), so every comparison also checks the
@@ -27,7 +28,8 @@ MODULES = {"vllm": vllm, "fifo": fifo, "lfu": lfu, "s3fifo": s3fifo}
 REFERENCE_CLASSES = {name: policies.get(name).cache for name in MODULES}
 NAMES = list(MODULES)
 
-# DESIGN.md section 10: fifo, Mooncake conversation trace, token-weighted, steady state (index >= N // 2)
+# docs/semantics.md, Reference figures: fifo, Mooncake conversation trace, token-weighted, steady state
+# (index >= N // 2)
 FIFO_STEADY = {
     1000: 0.0457,
     3000: 0.0644,

@@ -1,5 +1,5 @@
-"""The trie policies of the sim backend: radix-lru, belady, priority-lru, tenant-quota (DESIGN.md sections 5,
-7 and 10).
+"""The trie policies of the sim backend: radix-lru, belady, priority-lru, tenant-quota (docs/semantics.md:
+Policies, Hit rates, Reference figures).
 
 Every compiled kernel must agree exactly with its pure-Python reference. The references run here with an
 audit that keeps its own copy of the cache from the insert/evict events and checks, at every step, what the
@@ -32,8 +32,9 @@ REFERENCE_CLASSES = {
     "tenant-quota": tenant_quota._TenantQuotaReference,
 }
 
-# DESIGN.md section 10 / shared/reference/mooncake_conversation.json: Mooncake conversation trace, 512-token
-# blocks, token-weighted hit rate (steady = requests with index >= N // 2), block hit rate over all requests
+# docs/semantics.md, Reference figures / shared/reference/mooncake_conversation.json: Mooncake conversation
+# trace, 512-token blocks, token-weighted hit rate (steady = requests with index >= N // 2), block hit rate over
+# all requests
 RADIX_STEADY = {
     1000: 0.0467,
     3000: 0.0669,
@@ -171,7 +172,7 @@ def assert_same(a, b):
     assert a.filled_at == b.filled_at
 
 
-# --- DESIGN.md section 10 -------------------------------------------------------------------------------
+# --- docs/semantics.md, Reference figures -------------------------------------------------------------
 
 
 def test_radix_lru_reproduces_the_reference_numbers(mooncake):
