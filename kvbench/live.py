@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .backend import PointResult
+from .backend import OnlineBackend, PointResult
 from .errors import KvbenchError
 from .latency import latency_summary, per_request
 from .metrics import point_metrics
@@ -26,10 +26,6 @@ from .servercounters import reconcile
 FLUSH_EVERY = 256  # outcomes buffered before they are written as a durable part
 FLUSH_SECONDS = 2.0  # ... or the longest an outcome waits: a kill loses at most this much
 POINT = "live"
-
-
-def is_online(backend) -> bool:
-    return hasattr(backend, "send") and hasattr(backend, "connect")
 
 
 def _columns(outcomes: list[Outcome], block_size: int) -> dict:
@@ -169,7 +165,14 @@ def previous_outcomes(run_dir: Path, table: pa.Table, resume: bool) -> dict[int,
 
 
 def run_live(
-    backend, table: pa.Table, meta, run_dir: Path, summary: dict, warmup: float, progress=None, resume=False
+    backend: OnlineBackend,
+    table: pa.Table,
+    meta,
+    run_dir: Path,
+    summary: dict,
+    warmup: float,
+    progress=None,
+    resume=False,
 ) -> None:
     """Replay `table` through an online backend; fills `summary` (also when interrupted) and writes
     requests.parquet. Re-raises KeyboardInterrupt after recording, for the caller to finish the outputs.
@@ -207,7 +210,9 @@ def run_live(
         raise KeyboardInterrupt
 
 
-def point_summary(backend, table: pa.Table, meta, outcomes: list[Outcome], warmup: float, extra=None) -> dict:
+def point_summary(
+    backend: OnlineBackend, table: pa.Table, meta, outcomes: list[Outcome], warmup: float, extra=None
+) -> dict:
     """The run's one point: hit rates, latency and server counters over every row. `extra`: the backend's
     `extra()` when it was gathered elsewhere (a distributed run's workers)."""
     cols = per_request(outcomes)

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from .backend import OnlineBackend
 from .pacing import Outcome, dispatch
 from .plugins import load_backend
 from .traceio import TraceMeta
@@ -38,9 +39,10 @@ class LoadWorker:
     ):
         # The backend is built here, from its options: an API key is read from this machine's environment when
         # the client connects, and never travels with the options.
-        self.backend = load_backend(backend_name)(**backend_options)
-        # The driver has already cut the trace to --max-requests and picks the warm-up requests across workers.
-        self.backend.pacing = dataclasses.replace(self.backend.pacing, max_requests=None, warmup_requests=0)
+        self.backend: OnlineBackend = load_backend(backend_name)(**backend_options)
+        # The driver has already cut the trace to --max-requests and picks the warm-up requests across workers:
+        # this worker's dispatcher paces its shard without either (the backend's own pacing is left as built).
+        self.pacing = dataclasses.replace(self.backend.pacing, max_requests=None, warmup_requests=0)
         self.shard, self.meta, self.offsets = shard, meta, offsets
         self.clock_at_start = clock_at_start  # a resumed run's clock goes on from where it stopped
         self.outcomes = [Outcome(row=i) for i in range(shard.num_rows)]
@@ -72,7 +74,7 @@ class LoadWorker:
                 self.sending = asyncio.ensure_future(
                     dispatch(
                         self.shard,
-                        self.backend.pacing,
+                        self.pacing,
                         self.outcomes,
                         self.backend.send,
                         self.finished.append,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+from .backend import protocol_of
+
 GROUP = "kvbench.backends"
 
 
@@ -12,8 +14,15 @@ def backend_names() -> list[str]:
 
 
 def load_backend(name: str):
+    """The backend class registered as `name`. KeyError (its message for the user) when no such backend is
+    installed, or when what the entry point names implements none of the protocols of `kvbench.backend`."""
     eps = {ep.name: ep for ep in entry_points(group=GROUP)}
     if name not in eps:
         known = ", ".join(sorted(eps)) or "none installed"
         raise KeyError(f"unknown backend {name!r} (available: {known})")
-    return eps[name].load()
+    cls = eps[name].load()
+    try:
+        protocol_of(cls, name)
+    except TypeError as exc:
+        raise KeyError(str(exc)) from None
+    return cls

@@ -16,11 +16,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import __version__
-from .backend import PointResult, StreamedPoint
+from .backend import OfflineBackend, OnlineBackend, PointResult, StreamedPoint, StreamingBackend, protocol_of
 from .distributed import check_executor, run_distributed
 from .errors import KvbenchError
 from .failures import failure_summary
-from .live import is_online, run_live
+from .live import run_live
 from .metrics import MetricSums
 from .plugins import load_backend
 from .redact import redact, redact_text
@@ -121,13 +121,14 @@ def run_replay(
         backend_cls = load_backend(backend_name)
     except KeyError as exc:
         raise KvbenchError(exc.args[0]) from None
+    protocol = protocol_of(backend_cls, backend_name)  # load_backend checked that it declares one
     backend = backend_cls(**backend_options)
-    online = is_online(backend)
+    online = protocol is OnlineBackend
     check_executor(workers, executor, online, ray_address)
     if resume and not (online and out):
         raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
     trace = _open_trace(trace_path, False if online else stream, warmup)
-    if trace.scanned is not None and not hasattr(backend, "replay_stream"):
+    if trace.scanned is not None and protocol is not StreamingBackend:
         raise KvbenchError(
             f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
             "replay it with --no-stream, or cut the trace shorter"
@@ -160,8 +161,12 @@ def run_replay(
         "complete": False,
     }
     try:
-        return _run(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
-                    resume, workers, executor, ray_address)  # fmt: skip
+        if online:
+            _run_online(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
+                        resume, workers, executor, ray_address)  # fmt: skip
+        else:
+            _run_offline(backend, trace, run_dir, summary, warmup, progress, report)
+        return run_dir, summary
     except Exception:
         if not _measured(summary):
             claimed.discard()
@@ -194,42 +199,47 @@ def _check_resumable(out: Path, config: dict, force: bool) -> None:
         )
 
 
-def _run(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report, resume, workers,
-         executor, ray_address):  # fmt: skip
-    meta, scanned = trace.meta, trace.scanned
-    online = is_online(backend)
+def _run_online(backend: OnlineBackend, backend_name, backend_options, trace, run_dir, summary, warmup, progress,
+                report, resume, workers, executor, ray_address) -> None:  # fmt: skip
+    """The online protocol: requests sent one at a time by the dispatcher, in this process or Ray workers."""
     _write_summary(run_dir, summary)
-    if online:
-        try:
-            if executor == "ray":
-                run_distributed(
-                    backend,
-                    backend_name,
-                    backend_options,
-                    trace.table,
-                    meta,
-                    run_dir,
-                    summary,
-                    warmup,
-                    progress,
-                    resume=resume,
-                    workers=workers,
-                    ray_address=ray_address,
-                )
-            else:
-                run_live(backend, trace.table, meta, run_dir, summary, warmup, progress, resume=resume)
-            summary["complete"] = True
-        except KeyboardInterrupt:
-            summary["interrupted"] = True
-        finally:
-            _count_failures(run_dir, summary)
-            _finish(run_dir, summary, report, trace.table)
-        return run_dir, summary
-    writer = ResultWriter(run_dir / "requests.parquet")
-    if progress is not None and hasattr(backend, "progress"):
-        backend.progress = progress
     try:
-        points = backend.replay(trace.table, meta) if scanned is None else backend.replay_stream(scanned)
+        if executor == "ray":
+            run_distributed(
+                backend,
+                backend_name,
+                backend_options,
+                trace.table,
+                trace.meta,
+                run_dir,
+                summary,
+                warmup,
+                progress,
+                resume=resume,
+                workers=workers,
+                ray_address=ray_address,
+            )
+        else:
+            run_live(backend, trace.table, trace.meta, run_dir, summary, warmup, progress, resume=resume)
+        summary["complete"] = True
+    except KeyboardInterrupt:
+        summary["interrupted"] = True
+    finally:
+        _count_failures(run_dir, summary)
+        _finish(run_dir, summary, report, trace.table)
+
+
+def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progress, report) -> None:
+    """The offline protocols: whole points (`replay`), or streamed ones (`StreamingBackend.replay_stream`) when
+    the trace was scanned to be read chunk by chunk. `progress` gets each backend's `Progress` and each point."""
+    meta, scanned = trace.meta, trace.scanned
+    _write_summary(run_dir, summary)
+    writer = ResultWriter(run_dir / "requests.parquet")
+    try:
+        if scanned is None:
+            points = backend.replay(trace.table, meta, progress=progress)
+        else:
+            points = backend.replay_stream(scanned, progress=progress)
         for point in points:
             if scanned is not None or "hit_blocks" in point.columns:
                 # one chunk of answers at a time, written and summed, then dropped: a streamed point keeps
@@ -254,7 +264,6 @@ def _run(backend, backend_name, backend_options, trace, run_dir, summary, warmup
     finally:
         writer.close()
         _finish(run_dir, summary, report, trace.table if scanned is None else None)
-    return run_dir, summary
 
 
 def _count_failures(run_dir: Path, summary: dict) -> None:

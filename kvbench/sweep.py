@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import __version__
+from .backend import is_online
 from .errors import KvbenchError
 from .executors import ExecutorSettings, one_line, open_pool, run_points
 from .plugins import load_backend
@@ -107,8 +108,7 @@ def _params(backend: str) -> dict:
 
 
 def is_live(backend: str) -> bool:
-    cls = load_backend(backend)
-    return hasattr(cls, "send") and hasattr(cls, "connect")  # as kvbench.live.is_online, on the class
+    return is_online(load_backend(backend))
 
 
 def expand(grid: Grid) -> list[Point]:

@@ -31,6 +31,7 @@ def _size_option(flag: str, help: str) -> click.Option:
 
 class EngineSimBackend:
     name = "engine-sim"
+    kind = "offline"  # kvbench.backend.OfflineBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
@@ -291,7 +292,7 @@ class EngineSimBackend:
             )
         return blocks
 
-    def replay(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
+    def replay(self, trace: pa.Table, meta: TraceMeta, progress=None) -> Iterator[PointResult]:
         for name in self.policies:
             yield self._point(trace, meta, _policies.get(name))
 

@@ -107,10 +107,13 @@ def simulate(
     if entry_delay:
         arrivals = [(t + entry_delay, s, r) for t, s, r in arrivals]
     heapq.heapify(arrivals)
+
+    def schedule(when: float, fn) -> None:  # a scenario's timed event: fn(t) runs at simulated time `when`
+        heapq.heappush(arrivals, (when, next(seq), fn))
+
     for sc in scenarios:
-        sc.schedule = lambda when, fn: heapq.heappush(arrivals, (when, next(seq), fn))
-        for when, fn in sc.timers():
-            sc.schedule(when, fn)
+        for when, fn in sc.timers(schedule):
+            schedule(when, fn)
     span = max((r.arrival for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
     every = max(span, 1e-3) / TIMELINE_POINTS
     timeline = {"t_s": [], "kv_usage": [], "running": [], "waiting": []}

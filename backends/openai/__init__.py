@@ -36,6 +36,7 @@ PROMPT_BATCHES_KEPT = 8
 
 class OpenAIBackend:
     name = "openai"
+    kind = "online"  # kvbench.backend.OnlineBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:

@@ -25,6 +25,7 @@ CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary 
 
 class SimBackend:
     name = "sim"
+    kind = "streaming"  # kvbench.backend.StreamingBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
@@ -151,7 +152,7 @@ class SimBackend:
                     f"trace; pick another policy or a trace that has {col}"
                 )
 
-    def replay(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
+    def replay(self, trace: pa.Table, meta: TraceMeta, progress=None) -> Iterator[PointResult]:
         bs = meta.block_size
         caps = (
             parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype)
@@ -183,7 +184,7 @@ class SimBackend:
         if self.curve:
             yield from self._curves(pols, prepared_for)
 
-    def replay_stream(self, scanned) -> Iterator[StreamedPoint]:
+    def replay_stream(self, scanned, progress=None) -> Iterator[StreamedPoint]:
         """The same points as `replay`, each answering the trace chunk by chunk (bounded memory): policies
         that can carry their cache across chunks only; the Belady bound (it needs the future) is left out."""
         if self.curve:

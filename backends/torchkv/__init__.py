@@ -31,7 +31,7 @@ def _size(flag: str, help: str) -> click.Option:
 
 class TorchBackend:
     name = "torch"
-    progress = None  # set by the runner: called with a kvbench.backend.Progress as requests finish
+    kind = "offline"  # kvbench.backend.OfflineBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
@@ -213,17 +213,18 @@ class TorchBackend:
             "policy_options": self.policy_options,
         }
 
-    def replay(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
+    def replay(self, trace: pa.Table, meta: TraceMeta, progress=None) -> Iterator[PointResult]:
+        """`progress`: called with a kvbench.backend.Progress as requests finish."""
         import torch
 
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            yield from self._points(trace, meta)
+            yield from self._points(trace, meta, progress)
         finally:
             torch.set_num_threads(before)
 
-    def _points(self, trace: pa.Table, meta: TraceMeta) -> Iterator[PointResult]:
+    def _points(self, trace: pa.Table, meta: TraceMeta, on_progress) -> Iterator[PointResult]:
         from .geometry import KvGeometry
         from .replayer import PointReplay, Settings
 
@@ -249,8 +250,8 @@ class TorchBackend:
                 label = "/".join(map(str, labels.values()))
 
                 def progress(done, total, label=label):
-                    if self.progress is not None:
-                        self.progress(Progress(done, total, f"torch {label}"))
+                    if on_progress is not None:
+                        on_progress(Progress(done, total, f"torch {label}"))
 
                 run = PointReplay(
                     settings, geometry, prep, trace, pol.cache(prep, cap.blocks, self.policy_options), progress

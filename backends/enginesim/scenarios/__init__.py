@@ -63,10 +63,10 @@ class Scenario:
         iterations asks once, with the window's mean contexts, and is charged k times."""
         return 0.0
 
-    # simulate() sets `schedule(when, fn)`: run fn(t) at simulated time `when` (e.g. an instance coming up)
-
-    def timers(self) -> list[tuple[float, object]]:
-        """(time, callable(t)) events to run during the simulation."""
+    def timers(self, schedule) -> list[tuple[float, object]]:
+        """(time, callable(t)) events to run during the simulation. `schedule(when, fn)`, called at the start:
+        runs fn(t) at simulated time `when`; a scenario keeps it to add events as the simulation goes (e.g. an
+        instance coming up)."""
         return []
 
     def summary(self, reqs: list, instances: list, prep, kv_bytes_block: float) -> dict:

@@ -65,6 +65,10 @@ class Autoscale(Scenario):
         self.starting = False
         self.reqs = reqs
 
+    def timers(self, schedule):
+        self.schedule = schedule
+        return []
+
     def candidates(self, instances, req, t):
         active = [i for i in instances if self.up_at[i.index] is not None and self.up_at[i.index] <= t]
         if not self.starting and len(active) < len(self.up_at):

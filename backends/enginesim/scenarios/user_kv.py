@@ -181,7 +181,7 @@ class UserKV(Scenario):
             user = self.owner[k]
             self.byte_seconds[user] = self.byte_seconds.get(user, 0.0) + (now - born) * self.kvb
 
-    def timers(self):
+    def timers(self, schedule):
         return [(t, self._deleter(n, user)) for n, (user, t) in enumerate(self.deletions)]
 
     def _deleter(self, n: int, user: str):
