@@ -1,7 +1,7 @@
 """The runner's live path: an online backend (one that answers requests one at a time over the network) is
 driven by the core's dispatcher (`pacing`), and its outcomes are made durable as they complete (a part file
 every FLUSH_EVERY outcomes or FLUSH_SECONDS, `resultparts`), so that Ctrl-C, SIGTERM or even SIGKILL leaves
-everything measured up to the last flush on disk (DESIGN.md section 8)."""
+everything measured up to the last flush on disk (docs/architecture.md, Run directory)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """`engine-sim`: a discrete-event model of serving instances that turns a trace into modeled TTFT / TPOT /
-E2EL, queueing, KV occupancy over time and tier traffic (DESIGN.md §5). It reuses the `sim` backend's keys
-(salt and LoRA folding) and policies (their reference classes, driven request by request), and a roofline
-latency model from a model geometry and a hardware spec (kvbench.hardware, overridable from a TOML file)."""
+E2EL, queueing, KV occupancy over time and tier traffic (docs/architecture.md, Built-in backends). It reuses
+the `sim` backend's keys (salt and LoRA folding) and policies (their reference classes, driven request by
+request), and a roofline latency model from a model geometry and a hardware spec (kvbench.hardware,
+overridable from a TOML file)."""
 
 from __future__ import annotations
 

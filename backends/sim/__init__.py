@@ -1,5 +1,5 @@
-"""`sim`: the offline prefix-cache simulator (DESIGN.md section 5). Requests are processed one at a time in
-arrival order; each policy x capacity is one point; the Belady bound runs beside the real policies."""
+"""`sim`: the offline prefix-cache simulator (docs/semantics.md, Policies). Requests are processed one at a
+time in arrival order; each policy x capacity is one point; the Belady bound runs beside the real policies."""
 
 from __future__ import annotations
 

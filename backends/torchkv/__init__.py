@@ -1,7 +1,8 @@
-"""`torch`: the trace's block stream against real KV tensors (DESIGN.md section 5). The device pool is real
-memory on the GPU (or the CPU), the tiers below are pinned host memory and a file on disk, every load,
-eviction and write-back is a timed copy, and with `--compute` each request's prefill and decode run real
-attention over the paged cache. The cache policies are the `sim` backend's own, so its counts equal sim's."""
+"""`torch`: the trace's block stream against real KV tensors (docs/architecture.md, Built-in backends). The
+device pool is real memory on the GPU (or the CPU), the tiers below are pinned host memory and a file on disk,
+every load, eviction and write-back is a timed copy, and with `--compute` each request's prefill and decode run
+real attention over the paged cache. The cache policies are the `sim` backend's own, so its counts equal
+sim's."""
 
 from __future__ import annotations
 
