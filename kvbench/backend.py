@@ -88,6 +88,16 @@ class StreamedPoint(Protocol):
 ProgressCallback = Callable[[Progress], None]
 
 
+class PolicyOption(click.Option):
+    """A backend option that only some eviction policies use (`--quota` for tenant-quota, …). Declaring which
+    lets a sweep over several policies give the option to those points only: the backend refuses an option
+    that none of a run's policies takes."""
+
+    def __init__(self, *args, policies: frozenset[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policies = policies
+
+
 class Backend(Protocol):
     """What every backend has, whatever its protocol."""
 

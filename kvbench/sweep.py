@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import __version__
-from .backend import is_online
+from .backend import PolicyOption, is_online
 from .errors import KvbenchError
 from .executors import ExecutorSettings, one_line, open_pool, run_points
 from .plugins import load_backend
@@ -100,11 +100,28 @@ def read_toml(path: Path) -> dict:
 
 
 def _params(backend: str) -> dict:
-    """The backend's declared option names with their defaults."""
+    """The backend's declared options by name."""
     try:
-        return {p.name: p.default for p in load_backend(backend).cli_options()}
+        return {p.name: p for p in load_backend(backend).cli_options()}
     except KeyError as exc:
         raise KvbenchError(exc.args[0]) from None
+
+
+def point_options(point: Point, grid: Grid) -> dict:
+    """The backend options of one point: the grid's options the backend declares, less those only other
+    policies use (`--quota` goes to the tenant-quota points of a sweep over lru and tenant-quota), and the
+    point's own axis values."""
+    params = _params(point.backend)
+    options = {}
+    for name, value in grid.options.items():
+        param = params.get(name)
+        if param is None:
+            continue
+        if isinstance(param, PolicyOption) and point.policy is not None and point.policy not in param.policies:
+            continue
+        options[name] = value
+    options.update({a: getattr(point, a) for a in OPTION_AXES if getattr(point, a) is not None})
+    return options
 
 
 def is_live(backend: str) -> bool:
@@ -129,7 +146,10 @@ def expand(grid: Grid) -> list[Point]:
         if live and not grid.engine and "url" in params and not grid.options.get("url"):
             raise KvbenchError(f"backend {backend} needs --url URL, or --engine NAME to use a local engine")
         # an axis left out takes the backend's default, named in the point (chat_sim_lru_1000, not chat_sim_1000)
-        axes = {a: getattr(grid, f) or split_values(params[a]) if a in params else [] for a, f in OPTION_AXES.items()}
+        axes = {
+            a: getattr(grid, f) or split_values(params[a].default) if a in params else []
+            for a, f in OPTION_AXES.items()
+        }
         for ea in grid.engine_args or [None]:  # outermost: one engine restart per value
             for trace in grid.traces:
                 for policy in axes["policy"] or [None]:
@@ -192,9 +212,7 @@ def run_point(point: Point, grid: Grid, out_dir: Path, url: str | None = None, c
     from .runner import run_replay
 
     run_dir = out_dir / point.name
-    params = _params(point.backend)
-    options = {k: v for k, v in grid.options.items() if k in params}
-    options.update({a: getattr(point, a) for a in OPTION_AXES if getattr(point, a) is not None})
+    options = point_options(point, grid)
     if url:
         options["url"] = url
     t0 = time.monotonic()

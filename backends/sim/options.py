@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from kvbench.backend import PolicyOption
 from kvbench.errors import KvbenchError
 
 from . import policies as _policies
@@ -23,12 +24,13 @@ def flag(name: str) -> str:
 def policy_option_params() -> list[click.Option]:
     """The options some policies take (quotas, priorities' duration, …), one per name, for any backend that
     drives the policies; `parse_policy_options` reads their values."""
-    opts, seen = [], set()
-    for pname, pol in _policies.registry().items():
+    registry, opts, seen = _policies.registry(), [], set()
+    for pname, pol in registry.items():
         for oname, help in pol.options.items():
             if oname not in seen:
                 seen.add(oname)
-                opts.append(click.Option([flag(oname), oname], default=None, help=f"[{pname}] {help}"))
+                takers = frozenset(p for p, other in registry.items() if oname in other.options)
+                opts.append(PolicyOption([flag(oname), oname], default=None, help=f"[{pname}] {help}", policies=takers))
     return opts
 
 

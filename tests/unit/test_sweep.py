@@ -182,3 +182,21 @@ def test_help_explains_grid_and_backend_options():
     assert r.exit_code == 0
     for opt in ("--trace", "--backend", "--policy", "--capacity", "--engine-args", "--engine", "--url", "--warmup"):
         assert opt in r.output
+
+
+def test_a_policy_option_goes_only_to_the_points_whose_policy_takes_it(tmp_path, monkeypatch):
+    """--quota under a sweep of lru and tenant-quota: the tenant-quota points get it, the lru points run
+    without it (a plain replay of lru with --quota is refused: the option would be silently ignored)."""
+    monkeypatch.chdir(REPO)
+    trace = "traces/samples/multi-tenant.parquet"
+    r = sweep("--trace", trace, "--policy", "lru,tenant-quota", "--capacity", "500", "--no-bound",
+              "--quota", "tenant-0=0.2", "--out", tmp_path / "s")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    points = {p["name"]: p for p in json.loads((tmp_path / "s" / "sweep.json").read_text())["points"]}
+    assert {p["status"] for p in points.values()} == {"ok"} and len(points) == 2
+    configs = {
+        n: json.loads((tmp_path / "s" / p["dir"] / "summary.json").read_text())["config"] for n, p in points.items()
+    }
+    quota = {n: c["policy_options"].get("quota") for n, c in configs.items()}
+    assert sorted(map(bool, quota.values())) == [False, True]
+    assert all(("tenant-quota" in n) == bool(q) for n, q in quota.items())
