@@ -56,7 +56,6 @@ def _text(col: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 WRITE_ROWS = 1 << 20
-TRACE_COLUMNS = ["request_id", "tenant", "workload", "input_tokens", "output_tokens"]  # copied into results
 
 
 class ResultWriter:
@@ -72,8 +71,9 @@ class ResultWriter:
         self._parts = PartWriter(path, RESULT_SCHEMA)
 
     def write(self, trace: pa.Table | pa.RecordBatch, point: PointResult) -> None:
-        """Record `point`'s answers to the requests of `trace` (with TRACE_COLUMNS; `point.columns` aligned
-        with its rows), built WRITE_ROWS rows at a time, never all at once; durable on return."""
+        """Record `point`'s answers to the requests of `trace` (its request_id, tenant, workload, input_tokens
+        and output_tokens are copied; `point.columns` aligned with its rows), built WRITE_ROWS rows at a time,
+        never all at once; durable on return."""
         for rows in self.rows(trace, point):
             self._parts.write(rows)
 

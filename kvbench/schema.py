@@ -51,7 +51,6 @@ TRACE_SCHEMA = pa.schema(
 
 REQUIRED_COLUMNS = tuple(f.name for f in TRACE_SCHEMA if not f.nullable)
 KNOWN_COLUMNS = tuple(TRACE_SCHEMA.names)
-WORKLOAD_KINDS = ("chat", "agent", "multimodal", "reasoning", "multi-tenant")
 
 
 def blocks_for(input_tokens, block_size: int):

@@ -34,7 +34,6 @@ class Req:
     todo: int = 0  # prompt (and, after a recompute, generated) tokens still to prefill
     context: int = 0  # tokens whose KV the sequence holds
     generated: int = 0
-    preemptions: int = 0
     recomputed: int = 0  # tokens computed again after preemptions
     swapped: bool = False  # preempted by swapping: its KV waits on the host
     instance: int = -1
@@ -180,7 +179,6 @@ class Instance:
         """Free the most recently scheduled sequence (vLLM's victim); returns seconds spent swapping out."""
         victim = self.running.pop()
         self.used -= self.blocks_for(victim.context + victim.todo)
-        victim.preemptions += 1
         self.stats["preemptions"] += 1
         if victim.cached_on == self.index:
             self.cache.end(victim.row)

@@ -77,9 +77,6 @@ class KvGeometry:
             n *= d
         return n * self.torch_dtype.itemsize
 
-    def with_block_tokens(self, block_tokens: int) -> KvGeometry:
-        return KvGeometry(self.model, block_tokens, self.dtype, self.layout)
-
 
 def block_dim(layout: str) -> int:
     """The axis of a pool tensor that indexes blocks."""
