@@ -68,14 +68,43 @@ def _extra_column(name: str, values: list, src: Path, lines: list[int]) -> pa.Ar
         ) from None
 
 
-@importer("bailian")
-def read_bailian(src: Path, block_size: int = 16, time_unit: str | None = None, workload: str | None = None):
-    """Alibaba Bailian (Qwen) JSONL (timestamp s, 16-token blocks, chat_id/parent_chat_id sessions)."""
-    src = Path(src)
-    unit = time_unit or "s"
-    if unit not in TIME_UNITS:
-        raise TraceFormatError(f"time unit {unit!r} unknown; use one of {', '.join(TIME_UNITS)}")
-    lines, chat, parent, ts, inp, out, kind, turn, hashes, extra_rows = ([] for _ in range(10))
+class _Rows:
+    """The file's records, field by field, in file order (`lines`: each record's line number)."""
+
+    def __init__(self):
+        self.lines, self.chat, self.parent, self.ts, self.inp, self.out = [], [], [], [], [], []
+        self.kind, self.turn, self.hashes, self.extra = [], [], [], []
+        self.session: list[int] = []  # filled once every record is read (see _sessions)
+
+
+def _parse_record(rec: dict, src: Path, where: str) -> tuple[int, int, float, int, int, str, int, list]:
+    """One record's known fields, checked: (chat_id, parent_chat_id, timestamp, input_length, output_length,
+    type, turn, hash_ids)."""
+    c = require(rec, "chat_id", int, src, where)
+    p = require(rec, "parent_chat_id", int, src, where)
+    if p == c:
+        raise TraceFormatError(f"{src}: {where}: field 'parent_chat_id' equals chat_id {c}; use -1 for a root")
+    t = require(rec, "timestamp", float, src, where)
+    if not np.isfinite(t) or t < 0:
+        raise TraceFormatError(f"{src}: {where}: field 'timestamp' must be a finite number >= 0, got {t}")
+    n_in = require(rec, "input_length", int, src, where)
+    if n_in < 1:
+        raise TraceFormatError(f"{src}: {where}: field 'input_length' must be >= 1, got {n_in}")
+    n_out = require(rec, "output_length", int, src, where)
+    if n_out < 0:
+        raise TraceFormatError(f"{src}: {where}: field 'output_length' must be >= 0, got {n_out}")
+    k = require(rec, "turn", int, src, where)
+    if k < 0:
+        raise TraceFormatError(f"{src}: {where}: field 'turn' must be >= 0, got {k}")
+    ids = require(rec, "hash_ids", list, src, where)
+    if not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64 for h in ids):
+        raise TraceFormatError(f"{src}: {where}: field 'hash_ids' must be a list of non-negative integers")
+    return c, p, t, n_in, n_out, require(rec, "type", str, src, where), k, ids
+
+
+def _parse_rows(src: Path) -> _Rows:
+    """Every record of the file, checked field by field; chat ids must be unique."""
+    rows = _Rows()
     first_line: dict[int, int] = {}
     for lineno, rec in read_jsonl(src):
         where = f"line {lineno}"
@@ -85,66 +114,64 @@ def read_bailian(src: Path, block_size: int = 16, time_unit: str | None = None, 
                 f"{src}: {where}: field 'chat_id' {c} repeats line {first_line[c]}; chat ids must be unique"
             )
         first_line[c] = lineno
-        p = require(rec, "parent_chat_id", int, src, where)
-        if p == c:
-            raise TraceFormatError(f"{src}: {where}: field 'parent_chat_id' equals chat_id {c}; use -1 for a root")
-        t = require(rec, "timestamp", float, src, where)
-        if not np.isfinite(t) or t < 0:
-            raise TraceFormatError(f"{src}: {where}: field 'timestamp' must be a finite number >= 0, got {t}")
-        n_in = require(rec, "input_length", int, src, where)
-        if n_in < 1:
-            raise TraceFormatError(f"{src}: {where}: field 'input_length' must be >= 1, got {n_in}")
-        n_out = require(rec, "output_length", int, src, where)
-        if n_out < 0:
-            raise TraceFormatError(f"{src}: {where}: field 'output_length' must be >= 0, got {n_out}")
-        k = require(rec, "turn", int, src, where)
-        if k < 0:
-            raise TraceFormatError(f"{src}: {where}: field 'turn' must be >= 0, got {k}")
-        ids = require(rec, "hash_ids", list, src, where)
-        if not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64 for h in ids):
-            raise TraceFormatError(f"{src}: {where}: field 'hash_ids' must be a list of non-negative integers")
-        lines.append(lineno)
-        chat.append(c)
-        parent.append(p)
-        ts.append(t)
-        inp.append(n_in)
-        out.append(n_out)
-        kind.append(require(rec, "type", str, src, where))
-        turn.append(k)
-        hashes.append(ids)
-        extra_rows.append({key: v for key, v in rec.items() if key not in KNOWN_FIELDS})
+        _, p, t, n_in, n_out, kind, k, ids = _parse_record(rec, src, where)
+        rows.lines.append(lineno)
+        rows.chat.append(c)
+        rows.parent.append(p)
+        rows.ts.append(t)
+        rows.inp.append(n_in)
+        rows.out.append(n_out)
+        rows.kind.append(kind)
+        rows.turn.append(k)
+        rows.hashes.append(ids)
+        rows.extra.append({key: v for key, v in rec.items() if key not in KNOWN_FIELDS})
+    return rows
 
-    inp_a = np.asarray(inp, dtype=np.int64)
-    check_block_counts(src, lines, inp_a, hashes, block_size)
 
-    session, missing = _sessions(chat, parent, lines, src)
+def _columns(rows: _Rows, src: Path, arrival: np.ndarray, block_hashes, workload: str | None) -> dict:
+    """The table's columns in file order: the mapped fields, then the source's extra fields."""
+    chat, parent, session = rows.chat, rows.parent, rows.session
     present = set(chat)
-    block_hashes, rechained = prefix_chained(pa.array(hashes, type=pa.list_(pa.uint64())), src.name)
-    arrival = np.asarray(ts, dtype=np.float64) * TIME_UNITS[unit]
-    t0 = float(arrival.min())
-    arrival -= t0
     columns = {
         "request_id": pa.array([str(c) for c in chat]),
         "arrival_s": arrival,
-        "input_tokens": inp_a.astype(np.int32),
-        "output_tokens": np.asarray(out, dtype=np.int32),
+        "input_tokens": np.asarray(rows.inp, dtype=np.int64).astype(np.int32),
+        "output_tokens": np.asarray(rows.out, dtype=np.int32),
         "block_hashes": block_hashes,
-        "workload": pa.array([workload] * len(chat) if workload else kind),
+        "workload": pa.array([workload] * len(chat) if workload else rows.kind),
         "session_id": pa.array([str(s) for s in session]),
-        "turn": np.asarray(turn, dtype=np.int32),
+        "turn": np.asarray(rows.turn, dtype=np.int32),
         "parent_id": pa.array([str(p) if p in present else None for p in parent], pa.string()),
         "external_parent_id": pa.array(
             [str(p) if p != NO_PARENT and p not in present else None for p in parent], pa.string()
         ),
     }
     if workload:  # the label replaces type as workload; keep type itself
-        columns["type"] = pa.array(kind).dictionary_encode()
-    for key in sorted({k for r in extra_rows for k in r}):
+        columns["type"] = pa.array(rows.kind).dictionary_encode()
+    for key in sorted({k for r in rows.extra for k in r}):
         if key in columns:
             raise TraceFormatError(f"{src}: extra field {key!r} clashes with a kvbench column; rename it in the source")
-        columns[key] = _extra_column(key, [r.get(key) for r in extra_rows], src, lines)
+        columns[key] = _extra_column(key, [r.get(key) for r in rows.extra], src, rows.lines)
+    return columns
 
-    pos = {c: i for i, c in enumerate(chat)}
+
+@importer("bailian")
+def read_bailian(src: Path, block_size: int = 16, time_unit: str | None = None, workload: str | None = None):
+    """Alibaba Bailian (Qwen) JSONL (timestamp s, 16-token blocks, chat_id/parent_chat_id sessions)."""
+    src = Path(src)
+    unit = time_unit or "s"
+    if unit not in TIME_UNITS:
+        raise TraceFormatError(f"time unit {unit!r} unknown; use one of {', '.join(TIME_UNITS)}")
+    rows = _parse_rows(src)
+    check_block_counts(src, rows.lines, np.asarray(rows.inp, dtype=np.int64), rows.hashes, block_size)
+    rows.session, missing = _sessions(rows.chat, rows.parent, rows.lines, src)
+    block_hashes, rechained = prefix_chained(pa.array(rows.hashes, type=pa.list_(pa.uint64())), src.name)
+    arrival = np.asarray(rows.ts, dtype=np.float64) * TIME_UNITS[unit]
+    t0 = float(arrival.min())
+    arrival -= t0
+    columns = _columns(rows, src, arrival, block_hashes, workload)
+
+    pos = {c: i for i, c in enumerate(rows.chat)}
     order = np.argsort(arrival, kind="stable")
     source = {
         "importer": "bailian",
@@ -153,7 +180,7 @@ def read_bailian(src: Path, block_size: int = 16, time_unit: str | None = None, 
         "time_offset_s": t0,  # arrivals are shifted to start at 0; the exporter adds this back
         "rechained": rechained,
         "missing_parents": missing,  # parent_chat_id not in the file: kept in external_parent_id
-        "parent_after_child": sum(1 for i, p in enumerate(parent) if p in pos and arrival[pos[p]] > arrival[i]),
-        "reordered": bool(np.any(order != np.arange(len(chat)))),
+        "parent_after_child": sum(1 for i, p in enumerate(rows.parent) if p in pos and arrival[pos[p]] > arrival[i]),
+        "reordered": bool(np.any(order != np.arange(len(rows.chat)))),
     }
     return conform(pa.table(columns)).take(order), new_meta(block_size, source)

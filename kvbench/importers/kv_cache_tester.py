@@ -119,6 +119,35 @@ class _Conversation:
         if not self.rows:
             raise TraceFormatError(f"{path}: field 'requests' holds no requests; nothing to import")
 
+    def request_row(self, r: dict, w: str, rid: str, arrival: float, parent, k: int, agent, subtype) -> dict:
+        """The row of request `r` (the k-th of its chain, listed at `w`); `_ids`/`_tail` are its local ids."""
+        path = self.path
+        n_in = require(r, "in", int, path, w)
+        if n_in < 1:
+            raise TraceFormatError(f"{path}: {w}: field 'in' must be >= 1, got {n_in}")
+        ids, tail = _hash_ids(r, n_in, self.bs, path, w)
+        output_types = _str_list(r, "output_types", path, w)
+        return {
+            "request_id": rid,
+            "arrival_s": arrival,
+            "input_tokens": n_in,
+            "output_tokens": int(_number(r, "out", int, path, w, lo=0)),
+            "session_id": self.id,
+            "turn": k,
+            "parent_id": parent,
+            "think_time_s": _number(r, "think_time", float, path, w, lo=0, optional=True),
+            "model": _optional(r, "model", str, path, w),
+            "has_thinking": None if output_types is None else "thinking" in output_types,
+            "agent_id": agent,
+            "subagent_type": subtype,
+            "api_time_s": _number(r, "api_time", float, path, w, lo=0, optional=True),
+            "stop_reason": _optional(r, "stop", str, path, w),
+            "input_types": _str_list(r, "input_types", path, w),
+            "output_types": output_types,
+            "_ids": ids,
+            "_tail": tail,
+        }
+
     def walk(self, reqs: list, where: str, base: float, chain: str, parent, agent, subtype) -> None:
         path, last, k = self.path, parent, 0
         for i, r in enumerate(reqs):
@@ -147,34 +176,8 @@ class _Conversation:
                 raise TraceFormatError(
                     f"{path}: {w}: field 'type' is {kind!r}; expected 'n', 's' (a request) or 'subagent'"
                 )
-            n_in = require(r, "in", int, path, w)
-            if n_in < 1:
-                raise TraceFormatError(f"{path}: {w}: field 'in' must be >= 1, got {n_in}")
-            ids, tail = _hash_ids(r, n_in, self.bs, path, w)
-            output_types = _str_list(r, "output_types", path, w)
             rid = f"{chain}-{k}"
-            self.rows.append(
-                {
-                    "request_id": rid,
-                    "arrival_s": base + t,
-                    "input_tokens": n_in,
-                    "output_tokens": int(_number(r, "out", int, path, w, lo=0)),
-                    "session_id": self.id,
-                    "turn": k,
-                    "parent_id": last,
-                    "think_time_s": _number(r, "think_time", float, path, w, lo=0, optional=True),
-                    "model": _optional(r, "model", str, path, w),
-                    "has_thinking": None if output_types is None else "thinking" in output_types,
-                    "agent_id": agent,
-                    "subagent_type": subtype,
-                    "api_time_s": _number(r, "api_time", float, path, w, lo=0, optional=True),
-                    "stop_reason": _optional(r, "stop", str, path, w),
-                    "input_types": _str_list(r, "input_types", path, w),
-                    "output_types": output_types,
-                    "_ids": ids,
-                    "_tail": tail,
-                }
-            )
+            self.rows.append(self.request_row(r, w, rid, base + t, last, k, agent, subtype))
             last, k = rid, k + 1
 
 
@@ -197,21 +200,8 @@ def _block_ids(rows: list[dict], namespace: np.uint64, tail_key: np.uint64) -> t
     return ids, not consistent, int(need.sum())
 
 
-@importer(
-    "kv-cache-tester",
-    options={
-        "stagger_s": "seconds between the starts of consecutive conversations of a directory (0 = all start together)"
-    },
-)
-def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str | None = None, stagger_s: float = 0.0):
-    """kv-cache-tester agentic coding traces (JSON per conversation, or a directory; 64-token local hash ids).
-
-    `block_size` must match the files' block_size (the ids cannot be regrouped); by default it is taken from
-    them. `stagger_s`: conversation i (in file-name order) starts at i * stagger_s instead of 0.
-    """
-    src = Path(src)
-    if not np.isfinite(stagger_s) or stagger_s < 0:
-        raise TraceFormatError(f"stagger {stagger_s!r} must be a finite number of seconds >= 0")
+def _read_conversations(src: Path, block_size: int | None) -> tuple[list[_Conversation], int]:
+    """Every conversation of SRC, in file-name order, and the block size (the option's, or the files')."""
     convs: list[_Conversation] = []
     first_file: dict[str, Path] = {}
     for path in _trace_files(src):
@@ -229,8 +219,12 @@ def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str
             raise TraceFormatError(f"{path}: top level: field 'id' {conv.id!r} repeats {first_file[conv.id].name}")
         first_file[conv.id] = path
         convs.append(conv)
+    return convs, block_size
 
-    # Block ids per id scope: each local conversation alone, all global ones together.
+
+def _conversation_block_ids(convs: list[_Conversation]) -> tuple[dict[str, pa.ListArray], list[str], int]:
+    """Block ids of each conversation's rows (by id), the conversations rechained, and the tail ids added.
+    Ids are made per id scope: each local conversation alone, all global ones together."""
     groups = [[c] for c in convs if c.scope == "local"] + (
         [[c for c in convs if c.scope == "global"]] if any(c.scope == "global" for c in convs) else []
     )
@@ -248,7 +242,11 @@ def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str
         for c in group:
             hashes[c.id] = ids.slice(start, len(c.rows))
             start += len(c.rows)
+    return hashes, rechained, tails
 
+
+def _shift_arrivals(convs: list[_Conversation], stagger_s: float) -> dict[str, float]:
+    """Start conversation i at i * stagger_s (in place); the shift of those whose first request was not at 0."""
     offsets = {}
     for i, c in enumerate(convs):
         t0 = min(r["arrival_s"] for r in c.rows)
@@ -256,30 +254,60 @@ def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str
             offsets[c.id] = t0
         for r in c.rows:
             r["arrival_s"] += i * stagger_s - t0
+    return offsets
 
+
+COLUMN_TYPES = {  # columns whose type pa.array cannot infer (all nulls possible) or that are narrower
+    "has_thinking": pa.bool_(),
+    "api_time_s": pa.float32(),
+    "input_types": pa.list_(pa.string()),
+    "output_types": pa.list_(pa.string()),
+    "agent_id": pa.string(),
+    "subagent_type": pa.string(),
+    "stop_reason": pa.string(),
+    "model": pa.string(),
+    "parent_id": pa.string(),
+    "think_time_s": pa.float32(),
+}
+DICTIONARY_COLUMNS = ("model", "subagent_type", "stop_reason")
+
+
+def _table(convs: list[_Conversation], hashes: dict[str, pa.ListArray], workload: str | None) -> pa.Table:
+    """The rows of every conversation, in file and listing order, as a table (not yet conformed)."""
     rows = [r for c in convs for r in c.rows]
     names = [k for k in rows[0] if not k.startswith("_")]
     columns = {k: [r[k] for r in rows] for k in names}
     columns["block_hashes"] = pa.concat_arrays([hashes[c.id] for c in convs])
     columns["workload"] = [workload or "agent"] * len(rows)
-    types = {
-        "has_thinking": pa.bool_(),
-        "api_time_s": pa.float32(),
-        "input_types": pa.list_(pa.string()),
-        "output_types": pa.list_(pa.string()),
-        "agent_id": pa.string(),
-        "subagent_type": pa.string(),
-        "stop_reason": pa.string(),
-        "model": pa.string(),
-        "parent_id": pa.string(),
-        "think_time_s": pa.float32(),
-    }
-    table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(v, types.get(k)) for k, v in columns.items()})
-    for name in ("model", "subagent_type", "stop_reason"):
+    table = pa.table(
+        {k: v if isinstance(v, pa.Array) else pa.array(v, COLUMN_TYPES.get(k)) for k, v in columns.items()}
+    )
+    for name in DICTIONARY_COLUMNS:
         i = table.column_names.index(name)
         table = table.set_column(i, name, table.column(name).dictionary_encode())
-    arrival = np.asarray(table.column("arrival_s"))
-    order = np.argsort(arrival, kind="stable")
+    return table
+
+
+@importer(
+    "kv-cache-tester",
+    options={
+        "stagger_s": "seconds between the starts of consecutive conversations of a directory (0 = all start together)"
+    },
+)
+def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str | None = None, stagger_s: float = 0.0):
+    """kv-cache-tester agentic coding traces (JSON per conversation, or a directory; 64-token local hash ids).
+
+    `block_size` must match the files' block_size (the ids cannot be regrouped); by default it is taken from
+    them. `stagger_s`: conversation i (in file-name order) starts at i * stagger_s instead of 0.
+    """
+    src = Path(src)
+    if not np.isfinite(stagger_s) or stagger_s < 0:
+        raise TraceFormatError(f"stagger {stagger_s!r} must be a finite number of seconds >= 0")
+    convs, block_size = _read_conversations(src, block_size)
+    hashes, rechained, tails = _conversation_block_ids(convs)
+    offsets = _shift_arrivals(convs, stagger_s)
+    table = _table(convs, hashes, workload)
+    order = np.argsort(np.asarray(table.column("arrival_s")), kind="stable")
     source = {
         "importer": "kv-cache-tester",
         "file": src.name,
@@ -291,6 +319,6 @@ def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str
         "tail_blocks_added": tails,  # partial last blocks without a source id, given ids of their own
         "stagger_s": stagger_s,
         "time_offsets_s": offsets,  # conversations whose first request was not at t = 0 (shifted)
-        "reordered": bool(np.any(order != np.arange(len(rows)))),
+        "reordered": bool(np.any(order != np.arange(table.num_rows))),
     }
     return conform(table).take(order), new_meta(block_size, source)
