@@ -2,6 +2,7 @@
 published numbers in, latencies that scale the way the two bounds say."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from kvbench.backends.enginesim.roofline import Calibration, LatencyModel
@@ -129,10 +130,40 @@ def test_a_legacy_calibration_file_loads_into_the_new_terms():
         Calibration.from_mapping({"prefill_tokens_per_s": 0}, "old.toml")
 
 
+def _tiny_llama_config() -> tuple[dict, int]:
+    """The LlamaConfig keywords kvbench/engines/_tiny_llama.py writes the model with, and its default vocab,
+    read from its source (running it needs transformers and torch, which the vLLM engine's venv has)."""
+    import ast
+
+    import kvbench.engines._tiny_llama as tiny_llama
+
+    tree = ast.parse(Path(tiny_llama.__file__).read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LlamaConfig"]
+    (config,) = calls
+    kwargs = {k.arg: k.value.value for k in config.keywords if isinstance(k.value, ast.Constant)}  # not the args
+    (vocab,) = [
+        ast.literal_eval(next(k.value for k in n.keywords if k.arg == "default"))
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "add_argument" and n.args[0].value == "--vocab"
+    ]
+    return kwargs, vocab
+
+
 def test_tiny_model_matches_the_vllm_cpu_engine():
-    tiny = MODELS["kvbench-tiny"]  # kvbench/engines/_tiny_llama.py: hidden 128, 2 layers, 4 heads, 2 KV heads
-    assert (tiny.layers, tiny.hidden, tiny.heads, tiny.kv_heads, tiny.head_dim) == (2, 128, 4, 2, 32)
-    assert tiny.kv_bytes_per_token("bf16") == 512
+    """MODELS["kvbench-tiny"] describes the model _tiny_llama.py writes for the vLLM CPU engine."""
+    cfg, vocab = _tiny_llama_config()
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    h, layers, heads, kv_heads = (cfg[k] for k in keys)
+    head_dim = h // heads
+    tiny = MODELS["kvbench-tiny"]
+    assert (tiny.hidden, tiny.layers, tiny.heads, tiny.kv_heads) == (h, layers, heads, kv_heads)
+    assert tiny.head_dim == head_dim
+    # a Llama's parameters: embedding and (untied) LM head, per layer q/o (h × h), k/v (h × kv_heads·head_dim),
+    # gate/up/down (3 × h × intermediate) and two RMSNorms (h each), and a final RMSNorm
+    assert cfg["tie_word_embeddings"] is False
+    per_layer = 2 * h * h + 2 * h * kv_heads * head_dim + 3 * h * cfg["intermediate_size"] + 2 * h
+    assert tiny.params == 2 * vocab * h + layers * per_layer + h
+    assert tiny.kv_bytes_per_token("bf16") == layers * kv_heads * head_dim * 2 * 2  # (K, V) × 2 B
 
 
 def test_every_model_has_what_the_roofline_needs():
