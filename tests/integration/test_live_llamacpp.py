@@ -1,8 +1,8 @@
 """The live suite against llama.cpp's server (`kvbench engine up llama-cpp`), where its features allow.
 
 llama.cpp keeps one prompt per slot and reuses its longest common prefix (token by token), not a block pool,
-so the `vllm` policy's per-request prediction does not apply (skipped, with that reason); it ignores
-cache_salt, which the isolation audit must report.
+so the `vllm` policy's per-request prediction does not apply and is not tested here; it ignores cache_salt,
+which the isolation audit must report.
 """
 
 from __future__ import annotations
@@ -51,13 +51,6 @@ def test_prompts_and_cache_reporting(llama, tmp_path):
     if "cached_tokens" not in checks:
         pytest.skip("this llama.cpp build exports no prompt_tokens_cached counter on /metrics")
     assert checks["cached_tokens"]["server"] == sum(cached)
-
-
-def test_per_request_prediction_does_not_apply(llama):
-    pytest.skip(
-        "llama.cpp reuses one slot's longest common prefix token by token, not a block pool: the vllm "
-        "policy's per-request prediction does not model it"
-    )
 
 
 def test_audit_reports_that_salts_are_ignored(llama):
