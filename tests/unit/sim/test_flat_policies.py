@@ -1,5 +1,6 @@
-"""The flat block policies of the sim backend: vllm, fifo, lfu, s3fifo (docs/semantics.md: Policies, Hit rates,
-Reference figures).
+"""The flat block policies of the sim backend: every registered policy whose reference is not a trie (lru, vllm,
+fifo, lfu, s3fifo; the trie ones are test_trie_policies.py's), taken from the registry, so a policy is tested
+here by being registered (docs/semantics.md: Policies, Hit rates, Reference figures).
 
 Each compiled kernel must agree exactly with its pure-Python reference; the references run here with checking
 hooks (capacity, pinned blocks, queue bookkeeping, salt isolation), so every comparison also checks the
@@ -14,7 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from kvbench.backends.sim import policies
-from kvbench.backends.sim.policies import fifo, lfu, lru, s3fifo, vllm
+from kvbench.backends.sim.policies import fifo, lru, vllm
+from kvbench.backends.sim.policies._trie import TrieReference
 from kvbench.backends.sim.prepared import prepare
 
 from kvbench.schema import conform
@@ -24,9 +26,13 @@ REPO = Path(__file__).resolve().parents[3]
 MOONCAKE = REPO / "traces" / "mooncake" / "conversation_trace.parquet"
 SAMPLES = sorted((REPO / "traces" / "samples").glob("*.parquet"))
 
-MODULES = {"vllm": vllm, "fifo": fifo, "lfu": lfu, "s3fifo": s3fifo}
-REFERENCE_CLASSES = {name: policies.get(name).cache for name in MODULES}
-NAMES = list(MODULES)
+NAMES = [name for name, p in policies.registry().items() if not issubclass(p.cache, TrieReference)]
+REFERENCE_CLASSES = {name: policies.get(name).cache for name in NAMES}
+
+
+def kernel(name):
+    return policies.get(name).kernel
+
 
 # docs/semantics.md, Reference figures: fifo, Mooncake conversation trace, token-weighted, steady state
 # (index >= N // 2)
@@ -123,7 +129,7 @@ def table_of(prompts, block_size=4, **columns):
 
 def run_both(name, table, capacity, block_size=4, options=None):
     trace = prepared(table, block_size, name)
-    out = MODULES[name].kernel(trace, capacity, options)
+    out = kernel(name)(trace, capacity, options)
     assert_same(out, checked_reference(name, trace, capacity, options))
     return out
 
@@ -152,18 +158,18 @@ def samples():
 
 # --- registry ----------------------------------------------------------------------------------------------------
 def test_registered():
-    for name, mod in MODULES.items():
+    assert {"lru", "vllm", "fifo", "lfu", "s3fifo"} <= set(NAMES)
+    for name in NAMES:
         pol = policies.get(name)
-        assert pol.kernel is mod.kernel and pol.reference is mod.reference
-        assert not pol.stack  # (only lru has the one-pass curve)
-        assert pol.summary
+        assert callable(pol.kernel) and callable(pol.reference) and pol.summary, name
+    assert [name for name in policies.registry() if policies.get(name).stack] == ["lru"]  # the one-pass curve
     assert "small_fraction" in policies.get("s3fifo").options
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_capacity_must_be_positive(name):
     trace = prepared(table_of([[1, 2]]), 4, name)
-    for run in (MODULES[name].kernel, MODULES[name].reference):
+    for run in (kernel(name), policies.get(name).reference):
         with pytest.raises(ValueError):
             run(trace, 0)
 
@@ -183,7 +189,7 @@ def test_unbounded_capacity_is_the_infinite_cache(mooncake_traces, samples, name
     not the capacity); on Mooncake every policy but vllm (which recomputes the last block) then gives the
     infinite-cache numbers."""
     trace = mooncake_traces[name == "vllm"]
-    out = MODULES[name].kernel(trace, 10**9)
+    out = kernel(name)(trace, 10**9)
     assert out.filled_at == -1 and out.evictions.sum() == 0
     if name != "vllm":
         np.testing.assert_array_equal(out.hit_blocks, lru.kernel(trace, 10**9).hit_blocks)
@@ -193,9 +199,9 @@ def test_unbounded_capacity_is_the_infinite_cache(mooncake_traces, samples, name
     # vllm's pool also holds generated tokens' blocks and duplicates: it never evicts with a slot for every block
     # any request takes (and the null block)
     enough = small.n_keys if name != "vllm" else int((-(-small.kv_tokens() // bs)).sum()) + 1
-    exact = MODULES[name].kernel(small, enough)
-    assert_same(MODULES[name].kernel(small, 10**9), checked_reference(name, small, 10**9))
-    np.testing.assert_array_equal(exact.hit_blocks, MODULES[name].kernel(small, 10**9).hit_blocks)
+    exact = kernel(name)(small, enough)
+    assert_same(kernel(name)(small, 10**9), checked_reference(name, small, 10**9))
+    np.testing.assert_array_equal(exact.hit_blocks, kernel(name)(small, 10**9).hit_blocks)
 
 
 # --- kernel == reference -------------------------------------------------------------------------------------------
@@ -208,7 +214,7 @@ def test_kernel_matches_reference_on_samples(samples, name, sample):
     if sample in ("chat", "reasoning", "multi-tenant"):
         caps.append(5)  # requests larger than the cache: self-eviction, vllm's full pool
     for cap in caps:
-        out = MODULES[name].kernel(trace, cap)
+        out = kernel(name)(trace, cap)
         check_output(trace, out)
         assert_same(out, checked_reference(name, trace, cap))
 
@@ -216,14 +222,14 @@ def test_kernel_matches_reference_on_samples(samples, name, sample):
 @pytest.mark.parametrize("name", NAMES)
 def test_kernel_matches_reference_on_mooncake(mooncake, mooncake_traces, name):
     trace = mooncake_traces[name == "vllm"]
-    out = MODULES[name].kernel(trace, 5859)
+    out = kernel(name)(trace, 5859)
     check_output(trace, out)
     assert out.filled_at >= 0 and out.evictions.sum() > 0
     assert_same(out, checked_reference(name, trace, 5859))
     table, bs = mooncake
     head = prepared(table.slice(0, 1500), bs, name)
     for cap in (32, 1000):
-        assert_same(MODULES[name].kernel(head, cap), checked_reference(name, head, cap))
+        assert_same(kernel(name)(head, cap), checked_reference(name, head, cap))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -329,7 +335,7 @@ def test_salted_tenants_never_hit_each_other(samples, name):
     assert np.bincount(pairs[0]).max() == 1
     # ... so every hit is on a block the same tenant inserted
     cap = trace.n_keys // 4
-    out = MODULES[name].kernel(trace, cap)
+    out = kernel(name)(trace, cap)
     assert out.hit_blocks.sum() > 0
     assert_same(out, checked_reference(name, trace, cap, same_tenant_hits=True))
     # without the salt the same trace does share blocks across tenants (the check above is not vacuous)

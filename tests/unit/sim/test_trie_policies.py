@@ -1,5 +1,6 @@
-"""The trie policies of the sim backend: radix-lru, belady, priority-lru, tenant-quota (docs/semantics.md:
-Policies, Hit rates, Reference figures).
+"""The trie policies of the sim backend: every registered policy whose reference is a trie (radix-lru, belady,
+priority-lru, tenant-quota; the flat ones are test_flat_policies.py's), taken from the registry, so a policy is
+tested here by being registered (docs/semantics.md: Policies, Hit rates, Reference figures).
 
 Every compiled kernel must agree exactly with its pure-Python reference. The references run here with an
 audit that keeps its own copy of the cache from the insert/evict events and checks, at every step, what the
@@ -16,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from kvbench.backends.sim import policies
-from kvbench.backends.sim.policies import belady, priority_lru, radix_lru, tenant_quota
+from kvbench.backends.sim.policies import tenant_quota
+from kvbench.backends.sim.policies._trie import TrieReference
 from kvbench.backends.sim.prepared import PreparedTrace, prepare
 
 from kvbench.schema import conform
@@ -25,12 +27,7 @@ from kvbench.traceio import read_trace
 REPO = Path(__file__).resolve().parents[3]
 MOONCAKE = REPO / "traces" / "mooncake" / "conversation_trace.parquet"
 SAMPLES = sorted((REPO / "traces" / "samples").glob("*.parquet"))
-REFERENCE_CLASSES = {
-    "radix-lru": radix_lru.RadixLruReference,
-    "belady": belady._BeladyReference,
-    "priority-lru": priority_lru._PriorityLruReference,
-    "tenant-quota": tenant_quota._TenantQuotaReference,
-}
+REFERENCE_CLASSES = {name: p.cache for name, p in policies.registry().items() if issubclass(p.cache, TrieReference)}
 
 # docs/semantics.md, Reference figures / shared/reference/mooncake_conversation.json: Mooncake conversation
 # trace, 512-token blocks, token-weighted hit rate (steady = requests with index >= N // 2), block hit rate over
@@ -200,19 +197,22 @@ def test_belady_reproduces_the_reference_numbers(mooncake):
 # --- kernel == reference, with the audit ----------------------------------------------------------------
 
 QUOTAS = {"*": 0.05}  # and the busiest tenant gets a third of the cache, the second busiest 100 blocks
+# options a policy needs on the samples ("quotas": quota_options of the trace); the rest run with their defaults
+SAMPLE_OPTIONS = {"tenant-quota": "quotas"}
 
 
 def cases():
+    """Every registered trie policy on every sample it can run on (one that needs tenants, on the samples that
+    have several), and a few option variants."""
     for path in SAMPLES:
-        yield pytest.param(path, "radix-lru", None, id=f"{path.stem}-radix-lru")
-        yield pytest.param(path, "belady", None, id=f"{path.stem}-belady")
-        if path.stem in ("chat", "mix", "multi-tenant"):
-            yield pytest.param(path, "priority-lru", None, id=f"{path.stem}-priority-lru")
+        for name in REFERENCE_CLASSES:
+            if "tenant" in policies.get(name).needs and not has_tenants(load(path)):
+                continue
+            yield pytest.param(path, name, SAMPLE_OPTIONS.get(name), id=f"{path.stem}-{name}")
         if path.stem in ("mix", "multi-tenant"):
             yield pytest.param(
                 path, "priority-lru", {"priority_duration_requests": 20}, id=f"{path.stem}-priority-lru-expiring"
             )
-            yield pytest.param(path, "tenant-quota", "quotas", id=f"{path.stem}-tenant-quota")
 
 
 def quota_options(trace):
@@ -271,9 +271,8 @@ def test_kernel_matches_the_audited_reference_on_random_tries(name, vllm_cap, se
         assert cache.skipped > 0 or not vllm_cap or capacity == 3
 
 
-@pytest.mark.parametrize(
-    "name,capacity", [("radix-lru", 1000), ("radix-lru", 30000), ("belady", 1000), ("belady", 30000)]
-)
+@pytest.mark.parametrize("capacity", [1000, 30000])
+@pytest.mark.parametrize("name", [n for n in REFERENCE_CLASSES if "tenant" not in policies.get(n).needs])
 def test_kernel_matches_the_audited_reference_on_mooncake(mooncake, name, capacity):
     ref, _ = run_audited(name, mooncake, capacity)
     assert_same(policies.get(name).kernel(mooncake, capacity), ref)
