@@ -12,9 +12,26 @@ import pyarrow as pa
 from .. import __version__
 from ..errors import KvbenchError
 
+# Library errors that are the user's input, not kvbench's bug: a file (or folder) named on the command line
+# that cannot be opened, read or written, and data that Arrow refuses on reading a user's file. kvbench's own
+# readers turn most of these into TraceFormatError naming the file; these are the ones that reach the CLI.
+USER_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+USER_ARROW_ERRORS = (pa.ArrowInvalid,)
+INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE (sysexits.h): kvbench's bug, not the user's input
+
+
+def _is_users_input(exc: BaseException) -> bool:
+    """Whether `exc` is a library error caused by the user's input or environment (see USER_OS_ERRORS)."""
+    if isinstance(exc, USER_OS_ERRORS + USER_ARROW_ERRORS):
+        return True
+    # any other OSError raised while opening or writing a named file (name too long, a loop of links, disk full)
+    return isinstance(exc, OSError) and getattr(exc, "filename", None) is not None
+
 
 class FriendlyGroup(click.Group):
-    """Turns expected failures into one clear line on stderr and a non-zero exit, never a traceback."""
+    """Turns expected failures into one clear line on stderr and a non-zero exit, never a traceback: kvbench's
+    own errors (KvbenchError) and the few library errors that are the user's input. Anything else is a bug in
+    kvbench: one line asking for a report, and exit status 70. KVBENCH_DEBUG=1 shows the traceback instead."""
 
     def invoke(self, ctx):
         try:
@@ -22,12 +39,20 @@ class FriendlyGroup(click.Group):
         except KvbenchError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
             sys.exit(exc.exit_code)
-        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click's own: usage errors, --help, Ctrl-C at a prompt
+        except Exception as exc:
             if os.environ.get("KVBENCH_DEBUG"):
                 raise
-            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-            click.secho(f"error: {msg}", fg="red", err=True)
-            sys.exit(2)
+            if _is_users_input(exc):
+                click.secho(f"error: {exc}", fg="red", err=True)
+                sys.exit(2)
+            click.secho(
+                f"error: internal error ({type(exc).__name__}: {exc}) — please report it with KVBENCH_DEBUG=1 output",
+                fg="red",
+                err=True,
+            )
+            sys.exit(INTERNAL_ERROR_EXIT)
 
 
 @click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

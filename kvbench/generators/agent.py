@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 
 from ..blockhash import content_ids, mix, name_key, prompt_block_ids
 from ..schema import conform
-from . import generator, param
+from . import BadParameter, generator, param
 from ._common import group_ranks, lognormal_ints, poisson_arrivals, rng_for, string_ids, zipf_indices
 
 MAX_OUTPUT_TOKENS = 32_000  # common max_tokens ceiling of agent calls
@@ -73,11 +73,11 @@ class AgentParams:
 
 def _check(p: AgentParams) -> None:
     if p.task_rate <= 0 or p.decode_s_per_token < 0 or not 0 <= p.fork_prob <= 1:
-        raise ValueError("need task_rate > 0, decode_s_per_token >= 0 and 0 <= fork_prob <= 1")
+        raise BadParameter("need task_rate > 0, decode_s_per_token >= 0 and 0 <= fork_prob <= 1")
     # The prefix, the task message and the summary must leave room for history after a compaction;
     # the prefix and task message are clipped to a quarter of the context each.
     if not 0 < p.summary_tokens <= p.max_context_tokens // 4:
-        raise ValueError("summary_tokens must be > 0 and at most max_context_tokens / 4")
+        raise BadParameter("summary_tokens must be > 0 and at most max_context_tokens / 4")
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -> np.ndarray:

@@ -129,7 +129,7 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     item_req = np.repeat(req, n_items)  # flat list of the items each request attaches itself
     shares = np.array([p.image_share, p.video_share, p.audio_share], dtype=np.float64)
     if shares.sum() <= 0 or np.any(shares < 0):
-        raise ValueError("modality shares must be >= 0 and not all 0")
+        raise BadParameter("modality shares must be >= 0 and not all 0")
     item_modality = rng.choice(len(MODALITIES), size=item_req.size, p=shares / shares.sum())
     item_hash = np.zeros(item_req.size, dtype=np.uint64)
     item_tokens = np.zeros(item_req.size, dtype=np.int64)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..blockhash import content_ids, name_key
-from . import generator, param
+from . import BadParameter, generator, param
 from ._common import (
     Conversations,
     Segments,
@@ -54,7 +54,7 @@ class ReasoningParams:
 def reasoning(p: ReasoningParams, n: int, seed: int, block_size: int, window_requests: int | None = None):
     """Multi-turn reasoning: 30K-100K-token decodes, reasoning stripped from the next turn's prompt."""
     if p.decode_s_per_token < 0 or p.think_time_mean_s < 0:
-        raise ValueError("decode_s_per_token and think_time_mean_s must be >= 0")
+        raise BadParameter("decode_s_per_token and think_time_mean_s must be >= 0")
     rng = rng_for(seed, "reasoning")
     turns = geometric_counts(rng, p.turns_mean, p.max_turns, n)  # per session (what Conversations draws first)
     n_sessions = turns.size
