@@ -20,7 +20,7 @@ class Trace:
     @property
     def table(self):
         if self._table is None:
-            from .validate import read_valid_trace
+            from .validation import read_valid_trace
 
             self._table, self._meta = read_valid_trace(self.path)
         return self._table
@@ -99,7 +99,7 @@ class Sweep:
 
 def load_trace(path) -> Trace:
     """Read and validate a trace file; raises ValidationFailed (a KvbenchError) listing its violations."""
-    from .validate import read_valid_trace
+    from .validation import read_valid_trace
 
     return Trace(path, *read_valid_trace(path))
 
@@ -110,7 +110,7 @@ def generate(kind: str, n: int, seed: int = 0, path=None, block_size: int | None
     import dataclasses
 
     from . import generators
-    from .validate import check
+    from .validation import check
 
     gen = _registered(generators.get, kind)
     _check_names(options, [f.name for f in dataclasses.fields(gen.params_type)], f"trace gen {kind}")
@@ -129,7 +129,7 @@ def import_trace(source_format: str, path, out, **options) -> Trace:
 
     from . import importers
     from .traceio import write_trace
-    from .validate import check
+    from .validation import check
 
     imp = _registered(importers.get, source_format)
     _check_names(options, list(inspect.signature(imp.read).parameters)[1:], f"trace import {source_format}")
@@ -149,7 +149,7 @@ def validate(trace):
     """Every schema violation of a trace file (read chunk by chunk) or an in-memory Trace: a ValidationReport
     (`ok`, `violations`, `summary()`), never raised. An unreadable file raises TraceFormatError."""
     if isinstance(trace, Trace) and trace.path is None:
-        from .validate import validate_table
+        from .validation import validate_table
 
         return validate_table(trace.table, trace.meta.block_size, "<in memory>")
     from .tracescan import validate_file
@@ -187,7 +187,7 @@ def replay(trace, backend: str = "sim", out=None, report: bool = True, overwrite
 
 def open_run(path) -> Run:
     """The Run of an existing run directory (made by replay, the CLI or a sweep)."""
-    from .compare import load_run
+    from .comparison import load_run
 
     return Run(path, {k: v for k, v in load_run(Path(path)).items() if not k.startswith("_")})
 
@@ -195,7 +195,7 @@ def open_run(path) -> Run:
 def compare(*runs, skip_first: int = 0, out=None, overwrite: bool = False) -> dict:
     """`kvbench compare RUN RUN…`: the tables (runs, latency, differences, fidelity, …) as a dict; with `out`,
     also DIR/compare.html, compare.md and compare.json (a DIR holding a comparison needs `overwrite`)."""
-    from .compare import compare as run_compare
+    from .comparison import compare as run_compare
     from .report.compare import page_sections, write_page
     from .rundir import check_new_file
 
@@ -215,7 +215,7 @@ def sweep(grid=None, out=None, *, executor: str = "local", workers: int | None =
     index.html comparing the points. Failed points are recorded in the manifest, not raised."""
     from .cli.sweep import _sweep_dir, write_index
     from .executors import DEFAULT_RETRIES, ExecutorSettings
-    from .sweep import Grid, run_sweep
+    from .sweeps import Grid, run_sweep
 
     if grid is None:
         grid = _grid(axes)
@@ -236,7 +236,7 @@ def sweep(grid=None, out=None, *, executor: str = "local", workers: int | None =
 def _grid(axes: dict):
     """A sweep Grid from keywords: axes (a list or 'a,b'), engine, warmup, and backend options, each converted
     by the click parameters of the backends that declare it."""
-    from .sweep import OPTION_AXES, Grid, split_values
+    from .sweeps import OPTION_AXES, Grid, split_values
 
     plain = {"trace", "backend", "engine_args", "engine", "warmup", *OPTION_AXES}
     get = {k: axes.pop(k) for k in plain & set(axes)}

@@ -15,7 +15,7 @@ from . import generators
 from .plugins import backend_names, load_backend
 from .runner import run_replay
 from .traceio import new_meta, write_trace
-from .validate import check
+from .validation import check
 
 DEMO_REQUESTS = 2000  # per workload kind: enough to share prefixes and evict, quick on two cores
 LIVE_REQUESTS = 40  # per kind against the live engine, one at a time

@@ -118,7 +118,7 @@ def _modeled(demo) -> Section:
 
 
 def _fidelity(demo) -> Section:
-    from .compare import fidelity, load_run
+    from .comparison import fidelity, load_run
 
     rows = []
     for workload in demo.traces:

@@ -4,7 +4,7 @@ or as Ray tasks on a local or existing cluster (`ray`).
 A pool only starts tries of points and says when each ends; the retry loop (`run_points`) is written once
 above them, so that a point that raised, returned a failure, or lost its worker is retried and counted the
 same way everywhere, and reported with its attempts and last error once it has none left. A task is any
-picklable callable point -> outcome dict (kvbench.sweep.PointTask); the same code writes the same run
+picklable callable point -> outcome dict (kvbench.sweeps.PointTask); the same code writes the same run
 directories whichever pool runs it.
 """
 

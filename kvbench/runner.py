@@ -29,7 +29,7 @@ from .rundir import RunDir, stamp
 from .stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
 from .traceio import TraceMeta
 from .tracescan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
-from .validate import read_valid_trace
+from .validation import read_valid_trace
 
 DEFAULT_REPORTS = Path("reports")
 

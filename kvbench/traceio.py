@@ -98,7 +98,7 @@ class TraceWriter:
     def __init__(
         self, path: str | Path, meta: TraceMeta, *, row_group_size: int = ROW_GROUP_SIZE, validate: bool = True
     ):
-        from .validate import ChunkedValidation
+        from .validation import ChunkedValidation
 
         self.path, self.meta, self.row_group_size = Path(path), meta, row_group_size
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +191,7 @@ def read_meta(path: str | Path) -> TraceMeta:
 
 
 def read_trace(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, TraceMeta]:
-    """Read a whole trace. Does not validate: call `kvbench.validate.check` before replaying."""
+    """Read a whole trace. Does not validate: call `kvbench.validation.check` before replaying."""
     pf = _open(path)
     meta = TraceMeta.from_arrow(pf.schema_arrow.metadata, path)
     try:

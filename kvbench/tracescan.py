@@ -22,7 +22,7 @@ from .metrics import NO_LABEL, HitSums
 from .schema import TRACE_SCHEMA
 from .stats import DEFAULT_WARMUP
 from .traceio import ROW_GROUP_SIZE, TraceMeta, _open, iter_batches, read_meta
-from .validate import ChunkedValidation, ValidationReport, block_lengths
+from .validation import ChunkedValidation, ValidationReport, block_lengths
 
 # Above this many block references a replay streams the trace (about 0.5 GB of block ids in memory).
 STREAM_BLOCK_REFS = 60_000_000

@@ -259,4 +259,3 @@ class LatencyModel:
         share = self._active_fraction
         touched = 1.0 if share >= 1.0 else 1.0 - (1.0 - share) ** tokens
         return self._weight_bytes * touched / self.tp
-

@@ -42,8 +42,7 @@ PER = {  # what each term is paid per, for tables: seconds per …
 # What each term needs in the plan to be told apart from the others (for the identifiability error).
 NEEDS = {
     "request_overhead_s": "prefill points at several prompt lengths (--prompt-lengths)",
-    "step_overhead_s": "decode points at several batch sizes (--batch-sizes) and prompts past "
-    "--max-num-batched-tokens",
+    "step_overhead_s": "decode points at several batch sizes (--batch-sizes) and prompts past --max-num-batched-tokens",
     "s_per_seq": "decode points at several batch sizes (--batch-sizes)",
     "s_per_token": "prefill points at several prompt lengths (--prompt-lengths)",
     "s_per_pair": "prefill points at three or more prompt lengths (--prompt-lengths)",

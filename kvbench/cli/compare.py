@@ -78,7 +78,7 @@ def compare(runs, as_json, out, overwrite, skip_first):
 
     Example: kvbench compare reports/chat-live reports/chat-sim --out reports/chat-compare
     """
-    from ..compare import compare as run_compare
+    from ..comparison import compare as run_compare
     from ..rundir import check_new_file
 
     if out is not None:

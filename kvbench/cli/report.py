@@ -21,7 +21,7 @@ from .render import console
 def report(runs, trace_path):
     """Write report.md and the self-contained report.html of each run directory from its summary.json and
     requests.parquet (after an interrupted run, or with a newer kvbench)."""
-    from ..compare import load_run
+    from ..comparison import load_run
     from ..report import write_reports
     from ..resultparts import list_parts
     from ..results import REQUESTS_FILE

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ..compare import analyse, load_run
+from ..comparison import analyse, load_run
 from ..errors import KvbenchError
 from ..executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
 from ..plugins import backend_names, load_backend
@@ -22,7 +22,7 @@ from ..report.compare import page_sections, write_page
 from ..report.page import Links, Section, Table, pct
 from ..rundir import fresh_dir, stamp
 from ..stats import DEFAULT_WARMUP
-from ..sweep import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
+from ..sweeps import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
 from .compare import LazyBar
 from .render import console
 from .replay import DEFAULT_BACKEND

@@ -15,7 +15,7 @@ from ..export import EXPORTERS
 from ..stats import DEFAULT_WARMUP, trace_info_file
 from ..traceio import read_meta, write_trace
 from ..tracescan import validate_file
-from ..validate import check, read_valid_trace
+from ..validation import check, read_valid_trace
 from .render import console, info_markdown, print_info
 
 

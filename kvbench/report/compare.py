@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compare import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
+from ..comparison import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
 from .fidelity import TITLE as MODEL_TITLE
 from .fidelity import FidelityTable, explanation, html_ready
 from .page import Figure, Links, Section, Table, render_html, render_markdown, svg

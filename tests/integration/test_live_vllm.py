@@ -228,7 +228,8 @@ def test_engine_sim_predicts_the_small_cache_at_concurrency_4(small_vllm, traces
                    check=True, capture_output=True)  # fmt: skip
     out = tmp_path / "fidelity"
     cmd = ["kvbench", "fidelity", traces["agent"], "--url", small_vllm.url, "--calibration", calib,
-           "--concurrency", "4", "--requests", str(N), "--max-output-tokens", str(SMALL_OUTPUT_TOKENS), "--out", out]  # fmt: skip
+           "--concurrency", "4", "--requests", str(N), "--max-output-tokens", str(SMALL_OUTPUT_TOKENS),
+           "--out", out]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())

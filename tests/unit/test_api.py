@@ -59,21 +59,16 @@ def test_import_is_cheap():
 @pytest.mark.parametrize(
     "code",
     [
-        "import kvbench; s = kvbench.sweep; from kvbench import sweep as m",
-        "from kvbench import sweep as m; import kvbench; s = kvbench.sweep",
-        "from kvbench.sweep import run_sweep; import kvbench, kvbench.sweep as m; s = kvbench.sweep",
+        "import kvbench, kvbench.sweeps, kvbench.comparison, kvbench.validation",
+        "import kvbench.sweeps, kvbench.comparison, kvbench.validation, kvbench",
     ],
 )
-def test_compare_sweep_and_validate_are_modules_and_functions(code):
-    """Submodules of those names exist: the package attribute is the module, in whatever order things are
-    imported, and calling it calls the API function."""
-    out = _fresh(
-        code + "; import inspect, kvbench.compare, kvbench.validate as v;"
-        "print(s is m, callable(s), hasattr(s, 'run_sweep'), callable(kvbench.compare), callable(v),"
-        "str(inspect.signature(kvbench.compare)))"
-    )
-    assert out.split(" ", 4) == ["True", "True", "True", "True", "True (*runs, skip_first: 'int' = 0, out=None, "
-                                 "overwrite: 'bool' = False) -> 'dict'\n"]  # fmt: skip
+def test_compare_sweep_and_validate_stay_functions_whatever_is_imported(code):
+    """The modules behind them are named otherwise (sweeps, comparison, validation), so importing those never
+    rebinds the package's API names."""
+    out = _fresh(code + "; import inspect; print([inspect.isfunction(getattr(kvbench, n)) for n in "
+                 "('compare', 'sweep', 'validate')])")  # fmt: skip
+    assert out.strip() == "[True, True, True]"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from kvbench.blockhash import is_prefix_consistent, mix
 from kvbench.generators import get
 from kvbench.generators.agent import AgentParams
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 BS = 64
 DEFAULTS = AgentParams()

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 import pytest
 
 from kvbench.generators import get
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 BS = 64
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvbench.generators import get
 from kvbench.generators.reasoning import ReasoningParams
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 BS = 64
 DEFAULTS = ReasoningParams()

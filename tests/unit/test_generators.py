@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvbench.generators import get, registry
 from kvbench.stats import infinite_cache_hits
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 KINDS = sorted(registry())
 

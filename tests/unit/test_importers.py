@@ -14,7 +14,7 @@ import pytest
 
 from kvbench.errors import TraceFormatError
 from kvbench.importers import get
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 from ..conftest import SHARED_TRACES as TRACES
 

@@ -14,7 +14,7 @@ from kvbench.stats import hit_rates, infinite_cache_hits, trace_info, trace_info
 from kvbench.traceio import read_trace
 from kvbench.tracescan import validate_file
 from kvbench.tracesummary import percentiles_of_counts
-from kvbench.validate import ValidationReport, validate_table
+from kvbench.validation import ValidationReport, validate_table
 
 from ..conftest import REPO, make_trace
 from .test_validate import set_value

@@ -74,9 +74,7 @@ def synthesised_prompts(table: pa.Table, block_size: int = TRACE_BLOCK) -> list[
     hashes = table.column("block_hashes").to_pylist()
     lengths = table.column("input_tokens").to_pylist()
     media = table.column("mm_items").to_pylist()
-    return [
-        prompt_tokens(np.array(h, np.uint64), n, block_size, VOCAB, m) for h, n, m in zip(hashes, lengths, media)
-    ]
+    return [prompt_tokens(np.array(h, np.uint64), n, block_size, VOCAB, m) for h, n, m in zip(hashes, lengths, media)]
 
 
 def oracle_ids(table: pa.Table, engine_block: int, block_size: int = TRACE_BLOCK) -> list[list[bytes]]:

@@ -25,7 +25,9 @@ def test_counts_and_variable_names_are_not(name):
 
 
 def test_urls_texts_and_command_lines_are_masked():
-    assert redact_url("http://u:sk-1@h:8000/v1?api_key=abc&model=m") == f"http://{MASK}@h:8000/v1?api_key={MASK}&model=m"
+    assert (
+        redact_url("http://u:sk-1@h:8000/v1?api_key=abc&model=m") == f"http://{MASK}@h:8000/v1?api_key={MASK}&model=m"
+    )
     text = redact_text("GET http://u:pw@h/v1 failed; Authorization: Bearer sk-abcdef; api_key=xyz; cached_tokens=5")
     assert "pw" not in text and "sk-abcdef" not in text and "xyz" not in text and "cached_tokens=5" in text
     argv = ["kvbench", "replay", "--url", "http://a:b@h", "--api-key", "K", "--token=Z", "--header",

@@ -6,7 +6,7 @@ import pytest
 
 from kvbench.generators import get
 from kvbench.traceio import read_trace
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 from ..conftest import REPO
 

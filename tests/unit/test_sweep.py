@@ -14,7 +14,7 @@ from kvbench.cli import main
 from kvbench.errors import KvbenchError
 from kvbench.executors import ExecutorSettings, open_pool, run_points
 from kvbench.fakeserver import FakeServer
-from kvbench.sweep import Grid, Point, expand, name_points
+from kvbench.sweeps import Grid, Point, expand, name_points
 
 from ..conftest import REPO
 from .live.conftest import RunningServer

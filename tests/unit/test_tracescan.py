@@ -11,7 +11,7 @@ from kvbench.errors import ValidationFailed
 from kvbench.stats import hit_rates, infinite_cache_hits
 from kvbench.traceio import read_trace
 from kvbench.tracescan import REPLAY_COLUMNS, block_references, scan_trace, trace_fingerprint
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 from ..conftest import REPO, make_trace
 from .test_validate import set_value

@@ -6,7 +6,7 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.validate import validate_table
+from kvbench.validation import validate_table
 
 from ..conftest import make_trace
 

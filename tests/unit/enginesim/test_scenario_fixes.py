@@ -64,7 +64,7 @@ def lora_rounds(adapters: int) -> list[dict]:
     """Two rounds of one request per adapter: a shared 20-block prefix P, then a 1-block suffix of its own."""
     prefix = tuple(("P", b) for b in range(20))
     rows = []
-    for rnd in range(2):
+    for _round in range(2):
         for a in range(adapters):
             i = len(rows)
             rows.append(request(i, 10 * i, prefix + (("own", i),), lora=f"adapter-{a}"))
