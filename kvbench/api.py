@@ -71,14 +71,9 @@ class Run:
 
     def report(self, trace=None) -> Path:
         """(Re)write report.md and report.html, as `kvbench report` does; returns the report.html path."""
-        from .report import write_reports
-        from .traceio import read_trace
+        from .report import rewrite_reports
 
-        trace_path = Path(trace) if trace is not None else Path(self.summary["trace"]["path"])
-        table = None
-        if trace_path.exists() and not self.summary["trace"].get("streamed"):
-            table, _ = read_trace(trace_path)
-        write_reports(self.path, self.summary, table)
+        rewrite_reports(self.path, self.summary, trace)
         return self.path / "report.html"
 
     def __repr__(self) -> str:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pyarrow as pa
-
 from .errors import KvbenchError
 from .latency import error_class
 
@@ -21,10 +19,8 @@ class TooManyFailures(KvbenchError):
     exit_code = 3
 
 
-def failure_summary(requests: pa.Table) -> dict:
-    """Counts by status and the top error classes of a live run's requests (columns `status`, `error`)."""
-    status = requests.column("status").to_pylist()
-    errors = requests.column("error").to_pylist()
+def failure_summary(status: list[str], errors: list[str | None]) -> dict:
+    """Counts by status and the top error classes of a live run's requests (their `status` and `error`)."""
     counts = Counter(status)
     total = len(status)
     unsent = counts["not_sent"] + counts["cancelled"]

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from .backend import OnlineBackend, PointResult
 from .errors import KvbenchError
+from .failures import failure_summary
 from .latency import latency_summary, per_request
 from .metrics import point_metrics
 from .pacing import Outcome, dispatch, request_count
@@ -234,6 +235,7 @@ def point_summary(
         "name": POINT,
         **hits,
         "cached_tokens_reported": sum(o.cached_tokens is not None for o in outcomes) > 0,
+        "failures": failure_summary([o.status for o in outcomes], [o.error for o in outcomes]),
         "prompt_tokens_mismatch": mismatched,
         "latency": latency,
         "server_counters": reconcile(server.get("counters_before"), server.get("counters_after"), reported),

@@ -19,7 +19,6 @@ from . import __version__
 from .backend import OfflineBackend, OnlineBackend, PointResult, StreamedPoint, StreamingBackend, protocol_of
 from .distributed import check_executor, run_distributed
 from .errors import KvbenchError
-from .failures import failure_summary
 from .live import run_live
 from .metrics import MetricSums
 from .plugins import load_backend
@@ -225,7 +224,6 @@ def _run_online(backend: OnlineBackend, backend_name, backend_options, trace, ru
     except KeyboardInterrupt:
         summary["interrupted"] = True
     finally:
-        _count_failures(run_dir, summary)
         _finish(run_dir, summary, report, trace.table)
 
 
@@ -264,19 +262,6 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
     finally:
         writer.close()
         _finish(run_dir, summary, report, trace.table if scanned is None else None)
-
-
-def _count_failures(run_dir: Path, summary: dict) -> None:
-    """A live run's statuses and top error classes, for the terminal, the report and --max-failure-rate."""
-    if not summary["points"]:
-        return
-    from .results import read_requests
-
-    try:
-        requests = read_requests(run_dir, columns=["status", "error"])
-    except KvbenchError:
-        return  # nothing was written: the error that stopped the run says why
-    summary["points"][0]["failures"] = failure_summary(requests)
 
 
 def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:

@@ -22,20 +22,15 @@ def report(runs, trace_path):
     """Write report.md and the self-contained report.html of each run directory from its summary.json and
     requests.parquet (after an interrupted run, or with a newer kvbench)."""
     from ..comparison import load_run
-    from ..report import write_reports
+    from ..report import rewrite_reports
     from ..resultparts import list_parts
     from ..results import REQUESTS_FILE
-    from ..traceio import read_trace
 
     for run in runs:
         summary = {k: v for k, v in load_run(run).items() if not k.startswith("_")}
-        path = trace_path or Path(summary["trace"]["path"])
-        trace = None
-        if path.exists() and not summary["trace"].get("streamed"):
-            trace, _ = read_trace(path)
         parts = list_parts(run / REQUESTS_FILE)
         if parts:  # a killed run: what it flushed is reported (a live run's --resume completes it)
             click.echo(f"{run}: killed (or still running): reporting the {len(parts)} result parts it wrote")
         with console.status(f"rendering {run}"):
-            write_reports(run, summary, trace)
+            rewrite_reports(run, summary, trace_path)
         click.echo(f"{run}/report.html")

@@ -148,3 +148,13 @@ def write_reports(run_dir: Path, summary: dict, trace: pa.Table | None = None) -
     title = f"kvbench run {summary['run_id']}"
     (Path(run_dir) / "report.md").write_text(render_markdown(title, parts))
     (Path(run_dir) / "report.html").write_text(render_html(title, parts))
+
+
+def rewrite_reports(run_dir: Path, summary: dict, trace_path: Path | None = None) -> None:
+    """`write_reports` for a finished (or killed) run, reading the trace it replayed when it is still there:
+    `trace_path`, else the path in summary.json (a streamed run's trace is not read whole)."""
+    from ..traceio import read_trace
+
+    path = Path(trace_path) if trace_path is not None else Path(summary["trace"]["path"])
+    trace = read_trace(path)[0] if path.exists() and not summary["trace"].get("streamed") else None
+    write_reports(run_dir, summary, trace)

@@ -5,7 +5,6 @@ touched."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import types
 
@@ -14,22 +13,7 @@ import pytest
 from kvbench import engines
 from kvbench.engines import base
 
-SERVER = r"""
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .conftest import FAKE_SERVER, free_port
 
 
 @pytest.fixture
@@ -37,7 +21,7 @@ def two_fakes(tmp_path, monkeypatch):
     """Engines 'fake-a' and 'fake-b' (10-line HTTP servers) registered beside the real ones, folders in tmp_path."""
     monkeypatch.setenv("KVBENCH_ENGINE_DIR", str(tmp_path))
     script = tmp_path / "server.py"
-    script.write_text(SERVER)
+    script.write_text(FAKE_SERVER)
 
     def spec(name):
         return types.SimpleNamespace(
@@ -61,9 +45,9 @@ def test_the_session_marks_what_it_starts():
 
 def test_only_the_owners_engines_are_stopped(two_fakes, monkeypatch):
     monkeypatch.setenv(base.OWNER_ENV, "session-1")
-    mine = engines.up("fake-a", port=_free_port())
+    mine = engines.up("fake-a", port=free_port())
     monkeypatch.delenv(base.OWNER_ENV)
-    theirs = engines.up("fake-b", port=_free_port())  # e.g. .ci/start-engines, before the session
+    theirs = engines.up("fake-b", port=free_port())  # e.g. .ci/start-engines, before the session
     assert (mine.owner, theirs.owner) == ("session-1", None)
     assert {r["engine"]: r["owner"] for r in engines.status()}["fake-a"] == "session-1"
     assert engines.stop_owned("other-session") == {}
@@ -74,7 +58,7 @@ def test_only_the_owners_engines_are_stopped(two_fakes, monkeypatch):
 
 def test_a_restart_keeps_the_engine_whoever_s_it_was(two_fakes, monkeypatch):
     """A test that restarts a running engine with other settings (and puts it back) does not make it its own."""
-    port = _free_port()
+    port = free_port()
     monkeypatch.delenv(base.OWNER_ENV, raising=False)
     before = engines.up("fake-a", port=port)
     monkeypatch.setenv(base.OWNER_ENV, "session-1")

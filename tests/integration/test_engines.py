@@ -22,6 +22,8 @@ from kvbench import engines
 from kvbench.cli import main
 from kvbench.engines import base, vllm_cpu
 
+from .conftest import FAKE_SERVER, free_port
+
 # --- helpers --------------------------------------------------------------------------------------------
 
 
@@ -44,26 +46,6 @@ def post(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int,
 
 
 # --- process handling, with a stand-in server (no engine needed) ----------------------------------------
-
-FAKE_SERVER = r"""
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-print("fake server up", flush=True)
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -96,7 +78,7 @@ def fake_engine(tmp_path, monkeypatch):
 
 def test_up_is_idempotent_and_down_stops_the_process_group(fake_engine):
     _, calls = fake_engine
-    port = _free_port()
+    port = free_port()
     info = engines.up("fake", port=port)
     assert info.url == f"http://127.0.0.1:{port}" and info.model == "fake-model" and info.block_size == 16
     assert os.getpgid(info.pid) == info.pid  # its own process group
@@ -117,7 +99,7 @@ def test_up_is_idempotent_and_down_stops_the_process_group(fake_engine):
 
 def test_a_server_that_dies_while_starting_reports_its_log(fake_engine):
     with pytest.raises(engines.EngineError) as exc:
-        engines.up("fake", port=_free_port(), crash=True)
+        engines.up("fake", port=free_port(), crash=True)
     msg = str(exc.value)
     assert "exited with code 3" in msg and "boom: bad flag" in msg and "fake hint" in msg
     assert engines.running("fake") is None and not (base.engine_dir("fake") / "state.json").exists()
