@@ -1,7 +1,7 @@
 """Built-in kvbench backends, installed as the `kvbench.backends` package.
 
 Each backend module registers itself in pyproject.toml under the `kvbench.backends` entry-point group,
-exactly as a third-party backend would; the core finds them through `kvbench.plugins`, never by import.
+exactly as a third-party backend would; the core finds them through `kvbench.run.plugins`, never by import.
 """
 
 if __name__ == "backends":  # imported from a source checkout as a top-level package

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvbench.backends.enginesim import EngineSimBackend
 
-from kvbench import generators
+from kvbench.trace import generators
 
 HOUR_REQUESTS = 100_000
 SESSION_RATE = 9.3  # new conversations per second: 100k requests span about 65 minutes (trace info)

@@ -3,12 +3,12 @@
 - `ChatMillion.time_chat_1m` / `peakmem_chat_1m`: one 1,000,000-request chat trace, in memory (the issue's
   target: under 60 s on 2 cores; a production-sized synthetic day).
 - `EachKind.time_generate_20k` / `peakmem_generate_20k`: 20,000 requests of every registered generator kind
-  (enumerated from `kvbench.generators.registry()`, the `mix` blend included).
+  (enumerated from `kvbench.trace.generators.registry()`, the `mix` blend included).
 
 Generation only (`get(kind).run(n, seed)`), not validation or writing the parquet file.
 """
 
-from kvbench.generators import get, registry
+from kvbench.trace.generators import get, registry
 
 
 class ChatMillion:

@@ -6,7 +6,7 @@
   `LAG_RATE` req/s for `LAG_SECONDS` s.
 - `Payload.time_payload_1000`: building the JSON bodies (`OpenAIBackend.payload`) of 1,000 requests.
 
-The fake server (`kvbench.fakeserver`, instant streaming) runs in a thread of the benchmark process, as in
+The fake server (`kvbench.live.fakeserver`, instant streaming) runs in a thread of the benchmark process, as in
 tests/unit/live/conftest.py, so client and server share one interpreter (and its GIL): the figures track
 kvbench's client from commit to commit, they are not the client's absolute ceiling (for that, and for the
 side-by-side with `vllm bench serve`, run benchmarks/client_overhead.py). Each track takes a few seconds.
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kvbench.traceio import new_meta
+from kvbench.trace.files import new_meta
 
 INPUT_TOKENS, OUTPUT_TOKENS, BLOCK_SIZE = 100, 16, 16
 MAX_RATE_REQUESTS = 1000
@@ -48,7 +48,7 @@ def short_trace(n: int, seed: int = 1) -> tuple[pa.Table, object]:
             ),
         }
     )
-    from kvbench.schema import conform
+    from kvbench.trace.schema import conform
 
     return conform(table), new_meta(BLOCK_SIZE, {"generator": "benchmarks/bench_live.py"})
 
@@ -59,7 +59,7 @@ class ServerThread:
     def __init__(self):
         from aiohttp import web
 
-        from kvbench.fakeserver import FakeServer
+        from kvbench.live.fakeserver import FakeServer
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -90,7 +90,7 @@ def live_run(url: str, table: pa.Table, meta, **pacing) -> dict:
     """One live replay through the openai backend; the run's summary.json `latency` block."""
     from kvbench.backends.openai import OpenAIBackend
 
-    from kvbench.live import run_live
+    from kvbench.live.replay import run_live
 
     backend = OpenAIBackend(url=url, model="fake", **pacing)
     summary: dict = {}

@@ -1,7 +1,7 @@
 """Report rendering (asv): `kvbench.report.write_reports(run_dir, summary)`, i.e. report.md and report.html
 (matplotlib plots as inline SVG) of a finished run.
 
-The run is built once in `setup` (not timed): `kvbench.runner.run_replay` of the chat sample
+The run is built once in `setup` (not timed): `kvbench.run.runner.run_replay` of the chat sample
 (traces/samples/chat.parquet, 2,000 requests) through the `sim` backend with `POLICIES` x `CAPACITIES`,
 the Belady bound beside them and the one-pass curve (`--curve`), without the report. One untimed
 `write_reports` call then imports matplotlib, so that `time_write_reports` is the rendering alone.
@@ -26,7 +26,7 @@ class Report:
 
     def setup(self):
         from kvbench.report import write_reports
-        from kvbench.runner import run_replay
+        from kvbench.run.runner import run_replay
 
         self.tmp = Path(tempfile.mkdtemp(prefix="kvb-bench-report-"))
         options = {"policy": POLICIES, "capacity": CAPACITIES, "curve": True}

@@ -10,8 +10,8 @@ Speed (on the Mooncake conversation trace, 12,031 requests, 288,500 block refere
 
 Results, not speed (`track_*`; a change of these values is a change of *behaviour*, shown in the asv history
 next to the timings). Token-weighted prefix hit rates as `kvbench replay --backend sim` reports them
-(`kvbench.stats.hit_rates`): `all` = every request, `steady` = the requests after the warm-up share (the first
-50 %). Policies are enumerated from the registry (`kvbench.backends.sim.policies.registry()`):
+(`kvbench.trace.stats.hit_rates`): `all` = every request, `steady` = the requests after the warm-up share (the first
+50 %). Policies are enumerated from the registry (`kvbench.cache.policies.registry()`):
 
 - `HitRateMooncake`: every policy at every capacity that docs/semantics.md, Reference figures (and
   ../shared/reference/mooncake_conversation.json) gives a reference number for: `MOONCAKE_CAPACITIES`
@@ -38,13 +38,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
-from kvbench.backends.sim import SimBackend, policies
-from kvbench.backends.sim.curve import lru_curve
-from kvbench.backends.sim.prepared import prepare
+from kvbench.backends.sim import SimBackend
 
+from kvbench.cache import policies
+from kvbench.cache.curve import lru_curve
+from kvbench.cache.prepared import prepare
 from kvbench.errors import KvbenchError
-from kvbench.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
-from kvbench.traceio import read_trace
+from kvbench.trace.files import read_trace
+from kvbench.trace.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE_PARQUET = REPO / "traces/mooncake/conversation_trace.parquet"
@@ -82,7 +83,7 @@ def load(name: str):
                     "(set KVBENCH_SHARED to the folder holding traces/)"
                 )
             if path.suffix == ".jsonl":
-                from kvbench.importers import get
+                from kvbench.trace.importers import get
 
                 _tables[name] = get("mooncake").read(path)
             else:

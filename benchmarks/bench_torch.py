@@ -4,7 +4,7 @@ mode, and the host-side transfer rate it reaches, for the history. One run of th
 
 from __future__ import annotations
 
-from kvbench import generators
+from kvbench.trace import generators
 
 REQUESTS = 500
 OPTIONS = dict(capacity="1500", host_capacity="3000", disk_capacity="12000")

@@ -77,7 +77,7 @@ def main() -> None:
         results["trace_gen"] = measured(cmd)
     print("trace_gen", {k: v for k, v in results["trace_gen"].items() if k != "stdout"}, flush=True)
 
-    from kvbench.tracescan import block_references
+    from kvbench.trace.scan import block_references
 
     results["block_references"] = block_references(big)
     results["file_mb"] = round(big.stat().st_size / 2**20)

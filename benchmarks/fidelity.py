@@ -79,7 +79,7 @@ def errors(out: Path) -> dict:
     table re-derived later with `--reuse` uses the same code as a fresh one)."""
     import pyarrow.parquet as pq
 
-    from kvbench.fidelity import fidelity
+    from kvbench.run.fidelity import fidelity
 
     summary = json.loads((out / "summary.json").read_text())
     skip = summary["fidelity"]["skipped_first"]

@@ -173,7 +173,7 @@ fit() {  # the capacities, shrunk to 40 % of free DRAM and disk and 50 % of free
 import os, sys
 import torch
 from kvbench.backends.torchkv.geometry import KvGeometry
-from kvbench.traceio import read_meta
+from kvbench.trace.files import read_meta
 cap, host, disk, where = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 block = KvGeometry.named("llama3-8b", read_meta("traces/samples/chat.parquet").block_size, "bf16").block_bytes
 mem = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable"))

@@ -76,7 +76,7 @@ def build_trace(n_adapters: int, requests: int, seed: int) -> pa.Table:
 
 
 def run_point(path: Path, out: Path, mode: str, pool: str | None) -> dict:
-    from kvbench.runner import run_replay
+    from kvbench.run.runner import run_replay
 
     opts = {"lora_kv": mode, "lora_delta": DELTA}
     if pool:
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
-    from kvbench.traceio import new_meta, write_trace
+    from kvbench.trace.files import new_meta, write_trace
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -154,7 +154,7 @@ def run_kvbench_replay(parquet: Path, repeat: int, tmp: Path) -> dict:
     # As for the peer's C++ core: build the compiled kernels (the AOT module a first run starts building in the
     # background) and make one untimed run, so that neither compilation nor a cold numba cache is timed.
     t0 = time.perf_counter()
-    build = "from kvbench.backends.sim._compiled import build; print(build())"
+    build = "from kvbench.cache.compiled import build; print(build())"
     built = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, cwd=REPO)
     warm = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     first_s = time.perf_counter() - t0
@@ -214,12 +214,12 @@ def _best(fn, repeat: int) -> float:
 
 def run_in_process(parquet: Path, repeat: int) -> dict:
     import numpy as np
-    from kvbench.backends.sim import policies
-    from kvbench.backends.sim._densify import densify
-    from kvbench.backends.sim.curve import lru_curve
-    from kvbench.backends.sim.prepared import fold_isolation, prepare
 
-    from kvbench.traceio import read_trace
+    from kvbench.cache import policies
+    from kvbench.cache.curve import lru_curve
+    from kvbench.cache.densify import densify
+    from kvbench.cache.prepared import fold_isolation, prepare
+    from kvbench.trace.files import read_trace
 
     table, meta = read_trace(parquet)
     lru = policies.get("lru")

@@ -115,7 +115,7 @@ def own_cpu_s() -> float:
 
 
 def timed_sweep(grid, out: Path, settings) -> tuple[dict, dict]:
-    from kvbench.sweeps import run_sweep
+    from kvbench.run.sweeps import run_sweep
 
     t0, b0, c0 = time.perf_counter(), busy_ticks(), own_cpu_s()
     manifest = run_sweep(grid, out, settings)
@@ -159,9 +159,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (default: benchmarks/results/…)")
     args = ap.parse_args()
 
-    from kvbench.executors import ExecutorSettings
-    from kvbench.runner import run_replay
-    from kvbench.sweeps import Grid, expand
+    from kvbench.run.executors import ExecutorSettings
+    from kvbench.run.runner import run_replay
+    from kvbench.run.sweeps import Grid, expand
 
     os.chdir(REPO)
     with SessionNice(args.session_nice), tempfile.TemporaryDirectory(prefix="kvbench-sweep-scaling-") as tmp_name:

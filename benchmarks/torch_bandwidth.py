@@ -39,7 +39,7 @@ from kvbench.backends.torchkv.geometry import DTYPES, LAYOUTS, KvGeometry
 from kvbench.backends.torchkv.pools import DiskPool, TensorPool
 from kvbench.backends.torchkv.transfers import COPY_MODES, Mover
 
-from kvbench.capacity import MODELS
+from kvbench.cache.capacity import MODELS
 from kvbench.hardware import HARDWARE
 
 RESULTS = Path(__file__).parent / "results"

@@ -20,7 +20,7 @@ __all__ = [
     "validate",
 ]
 
-_FROM = {"Grid": "kvbench.sweeps", "KvbenchError": "kvbench.errors"}  # else kvbench.api
+_FROM = {"Grid": "kvbench.run.sweeps", "KvbenchError": "kvbench.errors"}  # else kvbench.api
 
 
 def __getattr__(name):

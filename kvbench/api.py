@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import KvbenchError
+from kvbench.errors import KvbenchError
 
 
 class Trace:
@@ -20,7 +20,7 @@ class Trace:
     @property
     def table(self):
         if self._table is None:
-            from .validation import read_valid_trace
+            from kvbench.trace.validation import read_valid_trace
 
             self._table, self._meta = read_valid_trace(self.path)
         return self._table
@@ -28,7 +28,7 @@ class Trace:
     @property
     def meta(self):
         if self._meta is None:
-            from .traceio import read_meta
+            from kvbench.trace.files import read_meta
 
             self._meta = read_meta(self.path)
         return self._meta
@@ -40,7 +40,7 @@ class Trace:
 
     def save(self, path) -> Trace:
         """Write the trace to `path` (Parquet, schema v1); replays need it in a file."""
-        from .traceio import write_trace
+        from kvbench.trace.files import write_trace
 
         self.path = write_trace(self.table, path, self.meta)
         return self
@@ -60,7 +60,7 @@ class Run:
         """One row per request and point (a killed run's result parts included), as a polars DataFrame."""
         import polars as pl
 
-        from .results import read_requests
+        from kvbench.run.results import read_requests
 
         return pl.from_arrow(read_requests(self.path))
 
@@ -71,7 +71,7 @@ class Run:
 
     def report(self, trace=None) -> Path:
         """(Re)write report.md and report.html, as `kvbench report` does; returns the report.html path."""
-        from .report import rewrite_reports
+        from kvbench.report import rewrite_reports
 
         rewrite_reports(self.path, self.summary, trace)
         return self.path / "report.html"
@@ -94,7 +94,7 @@ class Sweep:
 
 def load_trace(path) -> Trace:
     """Read and validate a trace file; raises ValidationFailed (a KvbenchError) listing its violations."""
-    from .validation import read_valid_trace
+    from kvbench.trace.validation import read_valid_trace
 
     return Trace(path, *read_valid_trace(path))
 
@@ -104,8 +104,8 @@ def generate(kind: str, n: int, seed: int = 0, path=None, block_size: int | None
     With `path`, written there (validated as written, streamed kinds in bounded memory); else in memory."""
     import dataclasses
 
-    from . import generators
-    from .validation import check
+    from kvbench.trace import generators
+    from kvbench.trace.validation import check
 
     gen = _registered(generators.get, kind)
     _check_names(options, [f.name for f in dataclasses.fields(gen.params_type)], f"trace gen {kind}")
@@ -122,9 +122,9 @@ def import_trace(source_format: str, path, out, **options) -> Trace:
     """Convert a public trace (`kvbench trace import FORMAT SRC -o OUT`): validated, written to `out`."""
     import inspect
 
-    from . import importers
-    from .traceio import write_trace
-    from .validation import check
+    from kvbench.trace import importers
+    from kvbench.trace.files import write_trace
+    from kvbench.trace.validation import check
 
     imp = _registered(importers.get, source_format)
     _check_names(options, list(inspect.signature(imp.read).parameters)[1:], f"trace import {source_format}")
@@ -144,10 +144,10 @@ def validate(trace):
     """Every schema violation of a trace file (read chunk by chunk) or an in-memory Trace: a ValidationReport
     (`ok`, `violations`, `summary()`), never raised. An unreadable file raises TraceFormatError."""
     if isinstance(trace, Trace) and trace.path is None:
-        from .validation import validate_table
+        from kvbench.trace.validation import validate_table
 
         return validate_table(trace.table, trace.meta.block_size, "<in memory>")
-    from .tracescan import validate_file
+    from kvbench.trace.scan import validate_file
 
     return validate_file(trace.path if isinstance(trace, Trace) else trace)
 
@@ -162,9 +162,9 @@ def replay(trace, backend: str = "sim", out=None, report: bool = True, overwrite
     rate is in `summary['points'][0]['failures']`; Ctrl-C returns the run with summary['interrupted']."""
     import click
 
-    from .redact import redact
-    from .runner import run_replay
-    from .stats import DEFAULT_WARMUP
+    from kvbench.redact import redact
+    from kvbench.run.runner import run_replay
+    from kvbench.trace.stats import DEFAULT_WARMUP
 
     path = _trace_path(trace)
     warmup = _cli_value(click.FloatRange(0, 1, max_open=True), DEFAULT_WARMUP if warmup is None else warmup, "--warmup")
@@ -182,7 +182,7 @@ def replay(trace, backend: str = "sim", out=None, report: bool = True, overwrite
 
 def open_run(path) -> Run:
     """The Run of an existing run directory (made by replay, the CLI or a sweep)."""
-    from .comparison import load_run
+    from kvbench.run.comparison import load_run
 
     return Run(path, {k: v for k, v in load_run(Path(path)).items() if not k.startswith("_")})
 
@@ -190,9 +190,9 @@ def open_run(path) -> Run:
 def compare(*runs, skip_first: int = 0, out=None, overwrite: bool = False) -> dict:
     """`kvbench compare RUN RUN…`: the tables (runs, latency, differences, fidelity, …) as a dict; with `out`,
     also DIR/compare.html, compare.md and compare.json (a DIR holding a comparison needs `overwrite`)."""
-    from .comparison import compare as run_compare
-    from .report.compare import page_sections, write_page
-    from .rundir import check_new_file
+    from kvbench.report.compare import page_sections, write_page
+    from kvbench.run.comparison import compare as run_compare
+    from kvbench.run.rundir import check_new_file
 
     if out is not None:
         check_new_file(Path(out) / "compare.json", overwrite, "comparison")
@@ -208,9 +208,9 @@ def sweep(grid=None, out=None, *, executor: str = "local", workers: int | None =
     warmup; each a list or 'a,b') and backend options passed to every point. One run directory per point under
     `out` (else reports/sweep-<time>); a rerun with the same `out` skips the finished points. `index`: write
     index.html comparing the points. Failed points are recorded in the manifest, not raised."""
-    from .cli.sweep import _sweep_dir, write_index
-    from .executors import DEFAULT_RETRIES, ExecutorSettings
-    from .sweeps import Grid, run_sweep
+    from kvbench.cli.sweep import _sweep_dir, write_index
+    from kvbench.run.executors import DEFAULT_RETRIES, ExecutorSettings
+    from kvbench.run.sweeps import Grid, run_sweep
 
     if grid is None:
         grid = _grid(axes)
@@ -231,7 +231,7 @@ def sweep(grid=None, out=None, *, executor: str = "local", workers: int | None =
 def _grid(axes: dict):
     """A sweep Grid from keywords: axes (a list or 'a,b'), engine, warmup, and backend options, each converted
     by the click parameters of the backends that declare it."""
-    from .sweeps import OPTION_AXES, Grid, split_values
+    from kvbench.run.sweeps import OPTION_AXES, Grid, split_values
 
     plain = {"trace", "backend", "engine_args", "engine", "warmup", *OPTION_AXES}
     get = {k: axes.pop(k) for k in plain & set(axes)}
@@ -286,7 +286,7 @@ def _check_names(given, known, command: str) -> None:
 
 
 def _names(backend: str) -> set[str]:
-    from .plugins import backend_names, load_backend
+    from kvbench.run.plugins import backend_names, load_backend
 
     if backend not in backend_names():  # the CLI's message
         raise KvbenchError(f"unknown backend {backend!r}; installed: {', '.join(backend_names())}")
@@ -299,7 +299,7 @@ def _backend_options(backend: str, options: dict) -> dict:
     their defaults."""
     import click
 
-    from .plugins import load_backend
+    from kvbench.run.plugins import load_backend
 
     params = load_backend(backend).cli_options()
     multiple = {p.name for p in params if p.multiple}

@@ -10,7 +10,7 @@ transfer moves data one way.
     [hardware.mi300x]          # or add a new one (name, then every field without a default)
     hbm_bytes = 192e9
     ...
-    [model.my-8b]              # models use ModelGeometry's fields (kvbench/capacity.py)
+    [model.my-8b]              # models use ModelGeometry's fields (kvbench/cache/capacity.py)
     layers = 32
     ...
 """
@@ -22,8 +22,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .capacity import MODELS, ModelGeometry
-from .errors import KvbenchError
+from kvbench.cache.capacity import MODELS, ModelGeometry
+from kvbench.errors import KvbenchError
 
 # Host-tier defaults, for presets that do not say otherwise.
 # DRAM: two sockets × 8 channels of DDR5-4800 (2 × 307 GB/s) shared by the 8 GPUs of a server ≈ 77 GB/s each.

@@ -72,7 +72,7 @@ def make_trace(n=6, block_size=4, **overrides) -> pa.Table:
         "depends_on": [[]] + [[f"r{i}"] for i in range(n - 1)],
     }
     cols.update(overrides)
-    from kvbench.schema import conform
+    from kvbench.trace.schema import conform
 
     types = {"block_hashes": pa.list_(pa.uint64())}
     return conform(pa.table({k: v if isinstance(v, pa.Array) else pa.array(v, types.get(k)) for k, v in cols.items()}))

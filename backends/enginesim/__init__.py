@@ -11,19 +11,18 @@ from collections.abc import Iterator
 import click
 import numpy as np
 import pyarrow as pa
+from kvbench.backends.enginesim import scenarios as _scenarios
+from kvbench.backends.enginesim.cluster import ROUTERS, simulate
+from kvbench.backends.enginesim.engine import Instance, Req, Scheduler
 
-from kvbench.backend import PointResult
-from kvbench.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
+from kvbench.cache import policies as _policies
+from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
+from kvbench.cache.prepared import prepare
+from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 from kvbench.errors import KvbenchError
-from kvbench.latency import modeled_latency_summary
-from kvbench.traceio import TraceMeta
-
-from ..sim import policies as _policies
-from ..sim.prepared import prepare
-from . import scenarios as _scenarios
-from .cluster import ROUTERS, simulate
-from .engine import Instance, Req, Scheduler
-from .tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
+from kvbench.live.latency import modeled_latency_summary
+from kvbench.run.backend import PointResult
+from kvbench.trace.files import TraceMeta
 
 
 def _size_option(flag: str, help: str) -> click.Option:
@@ -32,7 +31,7 @@ def _size_option(flag: str, help: str) -> click.Option:
 
 class EngineSimBackend:
     name = "engine-sim"
-    kind = "offline"  # kvbench.backend.OfflineBackend
+    kind = "offline"  # kvbench.run.backend.OfflineBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
@@ -217,9 +216,9 @@ class EngineSimBackend:
         share_lora_kv=False,
         **scenario_options,
     ):
-        from kvbench.hardware import load_specs, resolve_hardware, resolve_model
+        from kvbench.backends.enginesim.roofline import LatencyModel
 
-        from .roofline import LatencyModel
+        from kvbench.hardware import load_specs, resolve_hardware, resolve_model
 
         self.policies = _policies.parse_names(policy)
         check_store_options(pool_policy, pool_put)  # before any replay, as the other names are
@@ -298,7 +297,7 @@ class EngineSimBackend:
             yield self._point(trace, meta, _policies.get(name))
 
     def _point(self, trace: pa.Table, meta: TraceMeta, pol) -> PointResult:
-        from .results import point_result
+        from kvbench.backends.enginesim.results import point_result
 
         s, bs = self.settings, meta.block_size
         scenarios = _scenarios.active(s)
@@ -341,7 +340,7 @@ class EngineSimBackend:
         ]
         successors = think = None
         if s["closed_loop"]:
-            from kvbench.pacing import predecessors
+            from kvbench.live.pacing import predecessors
 
             successors = [[] for _ in reqs]
             for r, preds in enumerate(predecessors(trace)):
@@ -366,7 +365,7 @@ def _declared_default(option: click.Option):
 def _calibration(path: str):
     import tomllib
 
-    from .roofline import Calibration
+    from kvbench.backends.enginesim.roofline import Calibration
 
     try:
         data = tomllib.loads(open(path).read())

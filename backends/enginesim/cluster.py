@@ -11,8 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 import numpy as np
-
-from .engine import Instance, Req
+from kvbench.backends.enginesim.engine import Instance, Req
 
 ROUTERS: dict[str, Callable] = {}
 TIMELINE_POINTS = 1000  # samples of KV occupancy kept for the report

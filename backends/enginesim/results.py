@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.backend import PointResult
+from kvbench.run.backend import PointResult
 
 
 def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, pool, latency_summary) -> PointResult:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from kvbench.capacity import KV_DTYPE_BYTES, ModelGeometry
+from kvbench.cache.capacity import KV_DTYPE_BYTES, ModelGeometry
 from kvbench.errors import KvbenchError
 from kvbench.hardware import Hardware
 

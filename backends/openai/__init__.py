@@ -1,6 +1,6 @@
 """`openai`: live replay against an OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM, llama.cpp, …).
 
-Prompts are synthesised from the trace's block ids (`kvbench.prompts`): token-id prompts on /v1/completions
+Prompts are synthesised from the trace's block ids (`kvbench.live.prompts`): token-id prompts on /v1/completions
 by default (block-exact prefixes on any model), or text made of one-token words on /v1/chat/completions for
 engines serving kvbench's tiny word-level model. `max_tokens` = output_tokens with `ignore_eos`, the trace's
 `cache_salt` goes in the request body (vLLM's extension), and `model` is the request's LoRA adapter when it
@@ -18,15 +18,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import click
 import numpy as np
 import pyarrow as pa
+from kvbench.backends.openai.address import DEFAULT_KEY_ENV, ServerAddress, api_key, parse_headers, shown_headers
 
 from kvbench.errors import KvbenchError
-from kvbench.latency import parse_slo
-from kvbench.pacing import Outcome, Pacing
-from kvbench.prompts import words
+from kvbench.live.latency import parse_slo
+from kvbench.live.pacing import Outcome, Pacing
+from kvbench.live.prompts import words
 from kvbench.redact import is_secret_name, redact
-from kvbench.traceio import TraceMeta
-
-from .address import DEFAULT_KEY_ENV, ServerAddress, api_key, parse_headers, shown_headers
+from kvbench.trace.files import TraceMeta
 
 DEFAULT_VOCAB = 4096
 PROMPT_BATCH = 512  # at most this many requests' prompts are synthesised together…
@@ -36,7 +35,7 @@ PROMPT_BATCHES_KEPT = 8
 
 class OpenAIBackend:
     name = "openai"
-    kind = "online"  # kvbench.backend.OnlineBackend
+    kind = "online"  # kvbench.run.backend.OnlineBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
@@ -179,10 +178,10 @@ class OpenAIBackend:
     @contextlib.asynccontextmanager
     async def connect(self, trace: pa.Table, meta: TraceMeta, origin: float):
         """Open the client for a run: resolve the model, read the server's counters before the run."""
-        from kvbench.servercounters import poll_gauges, scrape
+        from kvbench.backends.openai import discovery
 
-        from . import discovery
-        from .client import OpenAIClient
+        from kvbench.live.client import OpenAIClient
+        from kvbench.live.servercounters import poll_gauges, scrape
 
         self._prepare(trace, meta)
         key = api_key(self.api_key_env)  # read where the client runs (a distributed run's worker has its own env)
@@ -246,7 +245,7 @@ class OpenAIBackend:
             self._batch(0)  # ready before the first send
 
     def _batch(self, batch: int) -> Future:
-        from kvbench.prompts import prompt_tokens_batch
+        from kvbench.live.prompts import prompt_tokens_batch
 
         if batch not in self._batches:
             lo, hi = self._batch_lo[batch], self._batch_lo[batch + 1]
@@ -261,7 +260,7 @@ class OpenAIBackend:
     def _tokens(self, row: int) -> np.ndarray:
         """Token ids of row `row`, synthesised a batch of rows at a time (one vectorised pass instead of a
         dozen small numpy calls per request, which cost ~0.2 ms each on the event loop)."""
-        from kvbench.prompts import overlay_media
+        from kvbench.live.prompts import overlay_media
 
         batch = int(self._row_batch[row])
         tokens, starts = self._batch(batch).result()

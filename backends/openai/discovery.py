@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import aiohttp
+from kvbench.backends.openai.address import ServerAddress
 
 from kvbench.errors import KvbenchError
-
-from .address import ServerAddress
-from .client import BODY_SHOWN, describe_exception, one_line
+from kvbench.live.client import BODY_SHOWN, describe_exception, one_line
 
 
 def _refused_hint(status: int, sent_auth: bool) -> str:

@@ -9,15 +9,14 @@ import click
 import numpy as np
 import pyarrow as pa
 
-from kvbench.backend import PointResult, StreamedPoint
-from kvbench.capacity import KV_DTYPE_BYTES, MODELS, check_capacities, parse_capacities
+from kvbench.cache import policies as _policies
+from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, check_capacities, parse_capacities
+from kvbench.cache.policies import SimOutput
+from kvbench.cache.policy_options import check_quota_tenants, parse_policy_options, policy_option_params
+from kvbench.cache.prepared import PreparedTrace, prepare
 from kvbench.errors import KvbenchError
-from kvbench.traceio import TraceMeta
-
-from . import policies as _policies
-from .options import check_quota_tenants, parse_policy_options, policy_option_params
-from .policies import SimOutput
-from .prepared import PreparedTrace, prepare
+from kvbench.run.backend import PointResult, StreamedPoint
+from kvbench.trace.files import TraceMeta
 
 BOUND = "belady"
 CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary and the plot
@@ -25,7 +24,7 @@ CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary 
 
 class SimBackend:
     name = "sim"
-    kind = "streaming"  # kvbench.backend.StreamingBackend
+    kind = "streaming"  # kvbench.run.backend.StreamingBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
@@ -167,7 +166,7 @@ class SimBackend:
         for pol in pols:
             self._check_needs(pol, filled)
         if "quota" in self.policy_options:
-            from .prepared import _tenant_codes
+            from kvbench.cache.prepared import _tenant_codes
 
             check_quota_tenants(self.policy_options, _tenant_codes(trace, None)[1])
         prepared = {}
@@ -217,7 +216,7 @@ class SimBackend:
         )
 
     def _curves(self, pols, prepared_for) -> Iterator[PointResult]:
-        from .curve import lru_curve
+        from kvbench.cache.curve import lru_curve
 
         for pol in pols:
             if not pol.stack:
@@ -260,10 +259,10 @@ def _extra(evict_matrix: np.ndarray, tenant_names: list[str], filled_at: int, n_
 
 
 class _StreamedPoint:
-    """A `kvbench.backend.StreamedPoint`: one policy at one capacity, answering a streamed trace."""
+    """A `kvbench.run.backend.StreamedPoint`: one policy at one capacity, answering a streamed trace."""
 
     def __init__(self, sim: SimBackend, pol, cap, scanned):
-        from .stream import StreamReplay  # compiles its kernels: only for streamed replays
+        from kvbench.cache.stream import StreamReplay  # compiles its kernels: only for streamed replays
 
         self.labels, self._text, self._n_requests = _labels(pol, cap.blocks), cap.text, scanned.n_requests
         self._run = StreamReplay(

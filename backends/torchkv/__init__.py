@@ -11,16 +11,15 @@ from collections.abc import Iterator
 
 import click
 import pyarrow as pa
+from kvbench.backends.sim import parse_policy_options, policy_option_params
 
-from kvbench.backend import PointResult, Progress
-from kvbench.capacity import MODELS, check_capacities, parse_capacities, parse_capacity
+from kvbench.cache import policies as _policies
+from kvbench.cache.capacity import MODELS, check_capacities, parse_capacities, parse_capacity
+from kvbench.cache.prepared import prepare
 from kvbench.errors import KvbenchError
 from kvbench.hardware import HARDWARE
-from kvbench.traceio import TraceMeta
-
-from ..sim import parse_policy_options, policy_option_params
-from ..sim import policies as _policies
-from ..sim.prepared import prepare
+from kvbench.run.backend import PointResult, Progress
+from kvbench.trace.files import TraceMeta
 
 COPY_MODES = ("block", "coalesced", "staged")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
@@ -32,7 +31,7 @@ def _size(flag: str, help: str) -> click.Option:
 
 class TorchBackend:
     name = "torch"
-    kind = "offline"  # kvbench.backend.OfflineBackend
+    kind = "offline"  # kvbench.run.backend.OfflineBackend
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
@@ -215,7 +214,7 @@ class TorchBackend:
         }
 
     def replay(self, trace: pa.Table, meta: TraceMeta, progress=None) -> Iterator[PointResult]:
-        """`progress`: called with a kvbench.backend.Progress as requests finish."""
+        """`progress`: called with a kvbench.run.backend.Progress as requests finish."""
         import torch
 
         before = torch.get_num_threads()
@@ -226,8 +225,8 @@ class TorchBackend:
             torch.set_num_threads(before)
 
     def _points(self, trace: pa.Table, meta: TraceMeta, on_progress) -> Iterator[PointResult]:
-        from .geometry import KvGeometry
-        from .replayer import PointReplay, Settings
+        from kvbench.backends.torchkv.geometry import KvGeometry
+        from kvbench.backends.torchkv.replayer import PointReplay, Settings
 
         bs = meta.block_size
         geometry = KvGeometry.named(self.model, bs, self.kv_dtype, self.layout)

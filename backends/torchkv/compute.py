@@ -13,10 +13,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from kvbench.backends.torchkv.geometry import KvGeometry, layer_kv
 
 from kvbench.errors import KvbenchError
-
-from .geometry import KvGeometry, layer_kv
 
 VOCAB = 4096  # kvbench-tiny's vocabulary; prompts.prompt_tokens draws ids below it
 _COMPUTE_DTYPES = ("bf16", "fp16", "fp32")

@@ -16,10 +16,9 @@ import os
 from pathlib import Path
 
 import torch
+from kvbench.backends.torchkv.geometry import KvGeometry, block_dim
 
 from kvbench.errors import KvbenchError
-
-from .geometry import KvGeometry, block_dim
 
 IOV_MAX = 1024  # buffers per preadv/pwritev call (Linux)
 CALL_BYTES = 1 << 30  # bytes per call: Linux moves at most 0x7ffff000 bytes in one

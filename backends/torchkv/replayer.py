@@ -11,14 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kvbench.backends.torchkv.geometry import KvGeometry
+from kvbench.backends.torchkv.pools import DiskPool, TensorPool, checksums
+from kvbench.backends.torchkv.store import HBM, BlockStore
+from kvbench.backends.torchkv.transfers import Mover
 
-from kvbench.backend import PointResult
-from kvbench.prompts import prompt_tokens
-
-from .geometry import KvGeometry
-from .pools import DiskPool, TensorPool, checksums
-from .store import HBM, BlockStore
-from .transfers import Mover
+from kvbench.live.prompts import prompt_tokens
+from kvbench.run.backend import PointResult
 
 FILL_PATTERNS = 64  # distinct random blocks that stand in for computed KV when compute is off
 VOCAB = 4096
@@ -86,7 +85,7 @@ class PointReplay:
         self.verify = {"checked": 0, "mismatches": 0}
         self.model = None
         if settings.compute:
-            from .compute import PagedAttentionModel
+            from kvbench.backends.torchkv.compute import PagedAttentionModel
 
             self.model = PagedAttentionModel(geometry, settings.device)
 
@@ -230,9 +229,9 @@ class PointReplay:
 
     # --- the answers ------------------------------------------------------------------------------------------
     def _result(self, labels, cols, ttft, tpot, e2el, itl, out_tokens) -> PointResult:
-        from kvbench.latency import modeled_latency_summary
+        from kvbench.backends.torchkv.bandwidth import hardware_for, transfer_report
 
-        from .bandwidth import hardware_for, transfer_report
+        from kvbench.live.latency import modeled_latency_summary
 
         prep, bs = self.prep, self.prep.block_size
         inp = prep.input_tokens.astype(np.int64)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvbench.backends.enginesim.tiers import Tier, TierStack
+from kvbench.cache.tiers import Tier, TierStack
 
 HBM = "hbm"
 

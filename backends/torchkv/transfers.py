@@ -18,8 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-
-from .pools import DiskPool, TensorPool, pinned_empty
+from kvbench.backends.torchkv.pools import DiskPool, TensorPool, pinned_empty
 
 COPY_MODES = ("block", "coalesced", "staged")
 

@@ -28,10 +28,10 @@ term's share and standard error, and every point measured and modeled.
 # in the order a run goes through them: plan (what to measure, the points), endpoint (requests, server facts),
 # measurement (the TTFT and decode runs), design (the step model's rows), fitting (the fit and its verdict),
 # calibfile (the TOML).
-from .calibfile import render, write
-from .design import PER, TERMS, Design, decode_row, prefill_chunks, prefill_row, step_row
-from .endpoint import RESERVED_TOKENS, Meter, host_port, shown
-from .fitting import (
+from kvbench.calibrate.calibfile import render, write
+from kvbench.calibrate.design import PER, TERMS, Design, decode_row, prefill_chunks, prefill_row, step_row
+from kvbench.calibrate.endpoint import RESERVED_TOKENS, Meter, host_port, shown
+from kvbench.calibrate.fitting import (
     DEFAULT_MAX_MEDIAN_ERROR,
     DEFAULT_MIN_R2,
     Calibrated,
@@ -43,17 +43,17 @@ from .fitting import (
     relative_nnls,
     standard_errors,
 )
-from .measurement import (
+from kvbench.calibrate.measurement import (
     DECODE_ATTEMPTS,
     MIN_WINDOW_STEPS,
     WARMUP_REQUESTS,
     measure,
     measure_async,
 )
-from .measurement import (
+from kvbench.calibrate.measurement import (
     _decode_step as _decode_step,  # private, but tests/unit/test_calibrate.py tests it directly
 )
-from .plan import (
+from kvbench.calibrate.plan import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_CONTEXT_LENGTHS,
     DEFAULT_CONTEXT_NEW,

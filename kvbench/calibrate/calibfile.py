@@ -10,9 +10,9 @@ import datetime as _dt
 import math
 from pathlib import Path
 
-from .design import PER, TERMS, Design
-from .fitting import Calibrated
-from .plan import Result
+from kvbench.calibrate.design import PER, TERMS, Design
+from kvbench.calibrate.fitting import Calibrated
+from kvbench.calibrate.plan import Result
 
 
 def _toml_value(v) -> str:

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KvbenchError
-from .plan import DecodePoint, PrefillPoint, Result
+from kvbench.calibrate.plan import DecodePoint, PrefillPoint, Result
+from kvbench.errors import KvbenchError
 
 TERMS = ("request_overhead_s", "step_overhead_s", "s_per_seq", "s_per_token", "s_per_pair", "s_per_kv_token")
 PER = {  # what each term is paid per, for tables: seconds per …

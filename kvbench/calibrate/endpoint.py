@@ -9,9 +9,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import KvbenchError
+from kvbench.errors import KvbenchError
 
-RESERVED_TOKENS = 16  # ids below this are left alone: engines' special tokens live there (as kvbench.prompts)
+RESERVED_TOKENS = 16  # ids below this are left alone: engines' special tokens live there (as kvbench.live.prompts)
 
 
 class Prompts:
@@ -45,7 +45,7 @@ def host_port(url: str) -> str:
 
 
 class Meter:
-    """Sends the measuring requests through kvbench's streaming client (backends/openai/client.py)."""
+    """Sends the measuring requests through kvbench's streaming client (kvbench/live/client.py)."""
 
     def __init__(self, client, model: str, endpoint: str, prompts: Prompts):
         self.client, self.model, self.endpoint, self.prompts = client, model, endpoint, prompts
@@ -64,13 +64,13 @@ class Meter:
         if self.endpoint == "completions":
             body["prompt"] = tokens
         else:
-            from ..prompts import words
+            from kvbench.live.prompts import words
 
             body["messages"] = [{"role": "user", "content": words(tokens)}]
         return orjson.dumps(body)
 
     async def send(self, tokens: list[int], max_tokens: int):
-        from ..pacing import Outcome
+        from kvbench.live.pacing import Outcome
 
         o = Outcome(row=0)
         o.sent_s = time.perf_counter() - self.client.origin

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from ..errors import KvbenchError
-from .design import TERMS, Design
-from .plan import Result
+from kvbench.calibrate.design import TERMS, Design
+from kvbench.calibrate.plan import Result
+from kvbench.errors import KvbenchError
 
 DEFAULT_MIN_R2 = 0.9
 DEFAULT_MAX_MEDIAN_ERROR = 0.15  # median |modeled − measured| / measured of either row kind

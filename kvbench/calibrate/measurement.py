@@ -13,9 +13,18 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from ..errors import KvbenchError
-from .endpoint import Meter, Prompts, base_url, host_port, model_info, reset_prefix_cache, server_facts, shown
-from .plan import DecodePoint, Plan, PrefillPoint, Progress, Result
+from kvbench.calibrate.endpoint import (
+    Meter,
+    Prompts,
+    base_url,
+    host_port,
+    model_info,
+    reset_prefix_cache,
+    server_facts,
+    shown,
+)
+from kvbench.calibrate.plan import DecodePoint, Plan, PrefillPoint, Progress, Result
+from kvbench.errors import KvbenchError
 
 MIN_WINDOW_STEPS = 8  # decode steps a batch must run together for its step time to count
 WARMUP_REQUESTS = 2
@@ -165,7 +174,7 @@ async def measure_async(
     on_plan: Callable[[Plan], None] | None = None,
 ) -> Result:
     try:
-        from kvbench.backends.openai.client import OpenAIClient
+        from kvbench.live.client import OpenAIClient
     except ImportError as exc:
         raise KvbenchError(f"kvbench calibrate needs the live extra ({exc}); pip install 'kvbench[live]'") from None
 

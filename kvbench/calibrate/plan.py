@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import KvbenchError
+from kvbench.errors import KvbenchError
 
 # Log-spaced lengths: the fit weighs every point's relative error alike, so the grid says which sizes the terms
 # must serve; doublings from 32 to 8192 tokens cover short chat turns to long documents, and the prompts past the

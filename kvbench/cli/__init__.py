@@ -9,8 +9,8 @@ import sys
 import click
 import pyarrow as pa
 
-from .. import __version__
-from ..errors import KvbenchError
+from kvbench import __version__
+from kvbench.errors import KvbenchError
 
 # Library errors that are the user's input, not kvbench's bug: a file (or folder) named on the command line
 # that cannot be opened, read or written, and data that Arrow refuses on reading a user's file. kvbench's own
@@ -94,16 +94,16 @@ def _stop_like_ctrl_c(ctx: click.Context) -> None:
             ctx.call_on_close(lambda n=number, h=before: signal.signal(n, signal.SIG_DFL if h is None else h))
 
 
-from .audit import audit  # noqa: E402  (attach subcommands after `main` exists)
-from .calibrate import calibrate  # noqa: E402
-from .compare import compare  # noqa: E402
-from .demo import demo  # noqa: E402
-from .engine import engine  # noqa: E402
-from .fidelity import fidelity  # noqa: E402
-from .replay import replay  # noqa: E402
-from .report import report  # noqa: E402
-from .sweep import sweep  # noqa: E402
-from .trace import trace  # noqa: E402
+from kvbench.cli.audit import audit  # noqa: E402  (attach subcommands after `main` exists)
+from kvbench.cli.calibrate import calibrate  # noqa: E402
+from kvbench.cli.compare import compare  # noqa: E402
+from kvbench.cli.demo import demo  # noqa: E402
+from kvbench.cli.engine import engine  # noqa: E402
+from kvbench.cli.fidelity import fidelity  # noqa: E402
+from kvbench.cli.replay import replay  # noqa: E402
+from kvbench.cli.report import report  # noqa: E402
+from kvbench.cli.sweep import sweep  # noqa: E402
+from kvbench.cli.trace import trace  # noqa: E402
 
 main.add_command(trace)
 main.add_command(replay)

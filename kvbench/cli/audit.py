@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .render import console
+from kvbench.cli.render import console
 
 
 @click.group()
@@ -28,7 +28,7 @@ def audit():
 def isolation(url, model, vocab, as_json):
     """Send paired probes (same prefix with same salt / other salt / no salt, and an unsalted control) and
     report whether cache_salt isolates cached prefixes. Exits 1 when salts do not isolate."""
-    from ..audit import audit_isolation
+    from kvbench.live.audit import audit_isolation
 
     with console.status("probing"):
         result = audit_isolation(url, model, vocab)

@@ -11,8 +11,8 @@ import sys
 
 import click
 
-from .. import calibrate as C
-from .render import console, stdout
+from kvbench import calibrate as C
+from kvbench.cli.render import console, stdout
 
 
 def _lengths(ctx, param, value):
@@ -237,7 +237,7 @@ def calibrate(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..rundir import check_new_file
+    from kvbench.run.rundir import check_new_file
 
     check_new_file(out, overwrite, "calibration")
     plan = C.Plan(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from ..report.compare import page_sections, write_page
-from ..report.page import render_markdown
-from .render import console
+from kvbench.cli.render import console
+from kvbench.report.compare import page_sections, write_page
+from kvbench.report.page import render_markdown
 
 
 class LazyBar:
@@ -78,8 +78,8 @@ def compare(runs, as_json, out, overwrite, skip_first):
 
     Example: kvbench compare reports/chat-live reports/chat-sim --out reports/chat-compare
     """
-    from ..comparison import compare as run_compare
-    from ..rundir import check_new_file
+    from kvbench.run.comparison import compare as run_compare
+    from kvbench.run.rundir import check_new_file
 
     if out is not None:
         check_new_file(out / "compare.json", overwrite, "comparison")

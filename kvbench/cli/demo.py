@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .render import console
+from kvbench.cli.render import console
 
 
 @click.command()
@@ -41,9 +41,9 @@ def demo(out, overwrite, n, seed, live):
     grid (with the Belady bound and the one-pass LRU curve), and write OUT/index.html linking every report."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from ..demo import demo_backends, run_demo
-    from ..generators import registry
-    from ..rundir import RunDir
+    from kvbench.run.demo import demo_backends, run_demo
+    from kvbench.run.rundir import RunDir
+    from kvbench.trace.generators import registry
 
     out = RunDir.claim(out, Path("reports/demo"), overwrite=overwrite, what="demo", resumable=False).path
     steps = len(registry()) * (1 + len(demo_backends()) + (2 if live else 0)) + 1 + live

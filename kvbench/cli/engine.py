@@ -7,8 +7,8 @@ import time
 
 import click
 
-from .. import engines
-from .render import console, stdout
+from kvbench import engines
+from kvbench.cli.render import console, stdout
 
 
 @click.group()

@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..errors import KvbenchError
-from ..results import read_requests
-from ..rundir import RunDir, stamp
-from .render import console
+from kvbench.cli.render import console
+from kvbench.errors import KvbenchError
+from kvbench.run.results import read_requests
+from kvbench.run.rundir import RunDir, stamp
 
 WORKLOADS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
 
@@ -40,7 +40,7 @@ def _kvbench(*args) -> None:
 async def _server(url: str, model: str | None) -> dict:
     import aiohttp
 
-    from ..calibrate.endpoint import model_info, server_facts
+    from kvbench.calibrate.endpoint import model_info, server_facts
 
     async with aiohttp.ClientSession() as session:
         name, max_len = await model_info(session, url, model)
@@ -119,7 +119,7 @@ def _modeled_trace(trace: Path, live_dir: Path, out: Path) -> int:
 @click.option("--block-size", type=click.IntRange(min=1),
               help="the engine's KV block size in tokens [default: from its /metrics]")  # fmt: skip
 @click.option("--sim-model", default="kvbench-tiny", show_default=True,
-              help="engine-sim model geometry: bytes of KV per token (a preset of kvbench.capacity)")  # fmt: skip
+              help="engine-sim model geometry: bytes of KV per token (a preset of kvbench.cache.capacity)")  # fmt: skip
 @click.option("--hardware", default="cpu", show_default=True,
               help="engine-sim hardware preset (the calibration replaces its step times)")  # fmt: skip
 @click.option("--skip-first", type=click.IntRange(min=0), default=2, show_default=True,
@@ -137,9 +137,9 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     """How far engine-sim is from a live engine on the same requests: calibrate, replay live, replay modeled
     (the live send times, output lengths, scheduler limits and KV pool), and report per-request TTFT / TPOT /
     E2EL errors (MAPE, median ratio, p90) and cached-token exactness, overall, by workload and by tenant."""
-    from .. import fidelity as F
-    from ..calibrate.endpoint import base_url, host_port, shown
-    from ..runner import run_replay
+    from kvbench.calibrate.endpoint import base_url, host_port, shown
+    from kvbench.run import fidelity as F
+    from kvbench.run.runner import run_replay
 
     url = base_url(url)
     name = Path(trace_path).stem if trace_path else workload
@@ -202,8 +202,8 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
 
 
 def _write_reports(run_dir: Path, summary: dict) -> None:
-    from ..report.fidelity import TITLE, FidelityTable, explanation, html_ready
-    from ..report.page import Links, Section, Table, render_html, render_markdown
+    from kvbench.report.fidelity import TITLE, FidelityTable, explanation, html_ready
+    from kvbench.report.page import Links, Section, Table, render_html, render_markdown
 
     settings = [[k, str(v)] for k, v in summary["settings"].items()]
     settings += [["endpoint", summary["endpoint"]], ["calibration", summary["calibration"]],
@@ -219,6 +219,6 @@ def _write_reports(run_dir: Path, summary: dict) -> None:
 
 
 def _print(table: dict) -> None:
-    from ..report.fidelity import fidelity_markdown
+    from kvbench.report.fidelity import fidelity_markdown
 
     click.echo(fidelity_markdown(table))

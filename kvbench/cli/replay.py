@@ -8,13 +8,13 @@ import sys
 
 import click
 
-from ..distributed import EXECUTORS
-from ..errors import KvbenchError
-from ..failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
-from ..plugins import backend_names, load_backend
-from ..redact import redact_argv
-from ..stats import DEFAULT_WARMUP
-from .render import console
+from kvbench.cli.render import console
+from kvbench.errors import KvbenchError
+from kvbench.live.distributed import EXECUTORS
+from kvbench.redact import redact_argv
+from kvbench.run.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
+from kvbench.run.plugins import backend_names, load_backend
+from kvbench.trace.stats import DEFAULT_WARMUP
 
 DEFAULT_BACKEND = "sim"
 
@@ -146,8 +146,8 @@ def replay(
 
     Example: kvbench replay traces/samples/chat.parquet --policy lru,radix-lru --capacity 1000,3000,10000
     """
-    from ..backend import Progress as PointProgress
-    from ..runner import run_replay
+    from kvbench.run.backend import Progress as PointProgress
+    from kvbench.run.runner import run_replay
 
     if backend not in backend_names():
         raise KvbenchError(f"unknown backend {backend!r}; installed: {', '.join(backend_names())}")

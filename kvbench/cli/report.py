@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .render import console
+from kvbench.cli.render import console
 
 
 @click.command()
@@ -21,10 +21,10 @@ from .render import console
 def report(runs, trace_path):
     """Write report.md and the self-contained report.html of each run directory from its summary.json and
     requests.parquet (after an interrupted run, or with a newer kvbench)."""
-    from ..comparison import load_run
-    from ..report import rewrite_reports
-    from ..resultparts import list_parts
-    from ..results import REQUESTS_FILE
+    from kvbench.report import rewrite_reports
+    from kvbench.run.comparison import load_run
+    from kvbench.run.resultparts import list_parts
+    from kvbench.run.results import REQUESTS_FILE
 
     for run in runs:
         summary = {k: v for k, v in load_run(run).items() if not k.startswith("_")}

@@ -14,18 +14,18 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ..comparison import analyse, load_run
-from ..errors import KvbenchError
-from ..executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
-from ..plugins import backend_names, load_backend
-from ..report.compare import page_sections, write_page
-from ..report.page import Links, Section, Table, pct
-from ..rundir import fresh_dir, stamp
-from ..stats import DEFAULT_WARMUP
-from ..sweeps import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
-from .compare import LazyBar
-from .render import console
-from .replay import DEFAULT_BACKEND
+from kvbench.cli.compare import LazyBar
+from kvbench.cli.render import console
+from kvbench.cli.replay import DEFAULT_BACKEND
+from kvbench.errors import KvbenchError
+from kvbench.report.compare import page_sections, write_page
+from kvbench.report.page import Links, Section, Table, pct
+from kvbench.run.comparison import analyse, load_run
+from kvbench.run.executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
+from kvbench.run.plugins import backend_names, load_backend
+from kvbench.run.rundir import fresh_dir, stamp
+from kvbench.run.sweeps import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
+from kvbench.trace.stats import DEFAULT_WARMUP
 
 ABSOLUTE = re.compile(r"(?<![\w.~:/])/(?:[\w.+-]+/)+([\w.+-]+)")
 

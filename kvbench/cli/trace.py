@@ -9,14 +9,14 @@ from pathlib import Path
 
 import click
 
-from .. import generators, importers
-from ..errors import KvbenchError
-from ..export import EXPORTERS
-from ..stats import DEFAULT_WARMUP, trace_info_file
-from ..traceio import read_meta, write_trace
-from ..tracescan import validate_file
-from ..validation import check, read_valid_trace
-from .render import console, info_markdown, print_info
+from kvbench.cli.render import console, info_markdown, print_info
+from kvbench.errors import KvbenchError
+from kvbench.trace import generators, importers
+from kvbench.trace.export import EXPORTERS
+from kvbench.trace.files import read_meta, write_trace
+from kvbench.trace.scan import validate_file
+from kvbench.trace.stats import DEFAULT_WARMUP, trace_info_file
+from kvbench.trace.validation import check, read_valid_trace
 
 
 @click.group()
@@ -202,9 +202,9 @@ def rebase(trace_path, block_size, out):
     tokens from their start to the end of that block, as the engine's prefix cache sees them. Live replays use
     the original TRACE: its prompts are those tokens.
     """
-    from ..prompts import rebase_blocks
-    from ..traceio import new_meta
-    from ..tracescan import trace_fingerprint
+    from kvbench.live.prompts import rebase_blocks
+    from kvbench.trace.files import new_meta
+    from kvbench.trace.scan import trace_fingerprint
 
     table, meta = read_valid_trace(trace_path)
     try:

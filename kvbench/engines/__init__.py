@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from types import ModuleType
 
-from . import base, llama_cpp, vllm_cpu
-from .base import EngineError, EngineInfo, Progress, engine_dir, engines_root
+from kvbench.engines import base, llama_cpp, vllm_cpu
+from kvbench.engines.base import EngineError, EngineInfo, Progress, engine_dir, engines_root
 
 ENGINES: dict[str, ModuleType] = {vllm_cpu.NAME: vllm_cpu, llama_cpp.NAME: llama_cpp}
 

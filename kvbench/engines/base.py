@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..errors import KvbenchError
+from kvbench.errors import KvbenchError
 
 STATE_FILE = "state.json"
 LOG_FILE = "server.log"

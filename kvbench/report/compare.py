@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..comparison import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
-from .fidelity import TITLE as MODEL_TITLE
-from .fidelity import FidelityTable, explanation, html_ready
-from .page import Figure, Links, Section, Table, render_html, render_markdown, svg
+from kvbench.report.fidelity import TITLE as MODEL_TITLE
+from kvbench.report.fidelity import FidelityTable, explanation, html_ready
+from kvbench.report.page import Figure, Links, Section, Table, render_html, render_markdown, svg
+from kvbench.run.comparison import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
 
 NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 CDF_POINTS = 400  # an SVG line of every request would make the page megabytes long

@@ -1,4 +1,4 @@
-"""The model-vs-measurement error table of `kvbench.fidelity` as report text, for `kvbench compare` and the
+"""The model-vs-measurement error table of `kvbench.run.fidelity` as report text, for `kvbench compare` and the
 `kvbench fidelity` run report: Markdown (terminals, PRs) and HTML, with the cells that miss the targets of
 docs/fidelity.md highlighted.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ..fidelity import format_rows, rows
-from .page import Figure, Section, Table
+from kvbench.report.page import Figure, Section, Table
+from kvbench.run.fidelity import format_rows, rows
 
 TITLE = "Model vs measurement"
 MAPE_TARGETS = {"ttft": 0.20, "e2el": 0.10}  # docs/fidelity.md, issue 13

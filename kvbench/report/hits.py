@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .page import Figure, Section, Table, num, pct, svg
+from kvbench.report.page import Figure, Section, Table, num, pct, svg
 
 TIERS = ("hbm", "dram", "ssd", "global")
 MAX_GROUPS = 30  # bars and table rows per breakdown: beyond that a plot is unreadable

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from ..results import read_requests, result_files
-from .hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
-from .page import Section, Table, num, render_html, render_markdown
-from .timing import latency_sections, timeline_section
-from .transfers import transfer_section
-from .workload import agent_section, characterisation_section
+from kvbench.report.hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
+from kvbench.report.page import Section, Table, num, render_html, render_markdown
+from kvbench.report.timing import latency_sections, timeline_section
+from kvbench.report.transfers import transfer_section
+from kvbench.report.workload import agent_section, characterisation_section
+from kvbench.run.results import read_requests, result_files
 
 MAX_REPORT_ROWS = 2_000_000  # per-request plots read at most this many rows: a report of a huge run stays quick
 
@@ -153,7 +153,7 @@ def write_reports(run_dir: Path, summary: dict, trace: pa.Table | None = None) -
 def rewrite_reports(run_dir: Path, summary: dict, trace_path: Path | None = None) -> None:
     """`write_reports` for a finished (or killed) run, reading the trace it replayed when it is still there:
     `trace_path`, else the path in summary.json (a streamed run's trace is not read whole)."""
-    from ..traceio import read_trace
+    from kvbench.trace.files import read_trace
 
     path = Path(trace_path) if trace_path is not None else Path(summary["trace"]["path"])
     trace = read_trace(path)[0] if path.exists() and not summary["trace"].get("streamed") else None

@@ -7,8 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..latency import PERCENTILES
-from .page import Figure, Section, Table, num, pct, svg
+from kvbench.live.latency import PERCENTILES
+from kvbench.report.page import Figure, Section, Table, num, pct, svg
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("ttfo", "TTFO"))
 CDF_POINTS = 400  # quantiles drawn per CDF: enough for a smooth line, bounded for millions of requests

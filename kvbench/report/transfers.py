@@ -3,7 +3,7 @@ and how that rate compares with a plain contiguous copy in the same process and 
 
 from __future__ import annotations
 
-from .page import Figure, Section, Table, num, pct, svg
+from kvbench.report.page import Figure, Section, Table, num, pct, svg
 
 TITLE = "KV transfers"
 

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .page import Figure, Section, Table, num, pct, svg
+from kvbench.report.page import Figure, Section, Table, num, pct, svg
 
 MAX_REUSE_REFS = 20_000_000  # block references examined for reuse intervals: bounded memory on huge traces
 MAX_TASKS_SHOWN = 20

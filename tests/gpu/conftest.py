@@ -38,7 +38,7 @@ def cuda():
 def chat200(tmp_path_factory) -> Path:
     """The first 200 requests of the chat sample, written by kvbench's own writer so that the trace metadata
     (block size, source) survives; enough requests to fill a small cache and evict from it."""
-    from kvbench.traceio import read_trace, write_trace
+    from kvbench.trace.files import read_trace, write_trace
 
     table, meta = read_trace(CHAT)
     return write_trace(table.slice(0, 200), tmp_path_factory.mktemp("trace") / "chat200.parquet", meta)

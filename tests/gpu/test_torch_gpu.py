@@ -146,7 +146,7 @@ def test_copy_waits_for_the_compute_stream(cuda):
 
 
 def _replay(trace, backend: str, options: dict, out):
-    from kvbench.runner import run_replay
+    from kvbench.run.runner import run_replay
 
     _, summary = run_replay(trace, backend, options, out=out, report=False)
     return pq.read_table(out / "requests.parquet"), summary

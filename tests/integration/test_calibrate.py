@@ -86,8 +86,8 @@ def test_calibration_loads_into_engine_sim(calib, tmp_path):
     sub = tmp_path / "chat.parquet"
     import pyarrow.parquet as pq
 
-    from kvbench.runner import run_replay
-    from kvbench.traceio import new_meta, read_trace, write_trace
+    from kvbench.run.runner import run_replay
+    from kvbench.trace.files import new_meta, read_trace, write_trace
 
     table, meta = read_trace(trace)
     write_trace(table.slice(0, 20), sub, new_meta(meta.block_size, meta.source))  # parents come first: it validates

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench import engines
-from kvbench.audit import audit_isolation
-from kvbench.runner import run_replay
+from kvbench.live.audit import audit_isolation
+from kvbench.run.runner import run_replay
 
 from ..conftest import REPO
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench import engines
-from kvbench.runner import run_replay
+from kvbench.run.runner import run_replay
 
 from ..conftest import REPO
 

@@ -11,7 +11,7 @@ from importlib.metadata import EntryPoint, PackageNotFoundError, distribution
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench import plugins
+from kvbench.run import plugins
 
 from ..conftest import REPO
 
@@ -92,5 +92,5 @@ def test_a_plugin_that_implements_no_protocol_is_refused_by_name(monkeypatch):
         plugins.load_backend("broken")
     result = CliRunner().invoke(main, ["replay", str(CHAT), "--backend", "broken"])
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "backend broken implements none of the kvbench backend protocols (kvbench.backend)" in result.output
+    assert "backend broken implements none of the kvbench backend protocols (kvbench.run.backend)" in result.output
     assert "declares no kind" in result.output

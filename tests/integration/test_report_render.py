@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.fakeserver import FakeServer, fault_plan
-from kvbench.runner import run_replay
+from kvbench.live.fakeserver import FakeServer, fault_plan
+from kvbench.run.runner import run_replay
 
 from ..browser import browser_required, check_page  # noqa: F401  (browser_required: a fixture, used below)
 from ..conftest import REPO
@@ -97,7 +97,7 @@ def test_demo_index_and_every_demo_report_render(tmp_path):
     """`kvbench demo` (small traces): the index shows every workload's curves, and each run's report renders."""
     import subprocess
 
-    from kvbench import generators
+    from kvbench.trace import generators
 
     out = tmp_path / "demo"
     r = subprocess.run(["kvbench", "demo", "-n", "300", "--out", str(out)], capture_output=True, text=True)
@@ -106,7 +106,7 @@ def test_demo_index_and_every_demo_report_render(tmp_path):
     index = check_page(out / "index.html", screenshot=png)
     assert_renders_cleanly(index)
     assert png.stat().st_size > 10_000
-    from kvbench.demo import demo_backends
+    from kvbench.run.demo import demo_backends
 
     reports = sorted(out.glob("runs/*/report.html"))
     assert len(reports) == len(generators.registry()) * len(demo_backends())

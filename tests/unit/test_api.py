@@ -59,8 +59,8 @@ def test_import_is_cheap():
 @pytest.mark.parametrize(
     "code",
     [
-        "import kvbench, kvbench.sweeps, kvbench.comparison, kvbench.validation",
-        "import kvbench.sweeps, kvbench.comparison, kvbench.validation, kvbench",
+        "import kvbench, kvbench.run.sweeps, kvbench.run.comparison, kvbench.trace.validation",
+        "import kvbench.run.sweeps, kvbench.run.comparison, kvbench.trace.validation, kvbench",
     ],
 )
 def test_compare_sweep_and_validate_stay_functions_whatever_is_imported(code):
@@ -188,7 +188,7 @@ def test_in_memory_traces_and_imports(tmp_path):
 
 
 def test_validate_reports_violations_without_raising(tmp_path):
-    from kvbench.traceio import new_meta, write_trace
+    from kvbench.trace.files import new_meta, write_trace
 
     bad = make_trace(input_tokens=[3, 5, -7, 9, 11, 13])
     write_trace(bad, tmp_path / "bad.parquet", new_meta(4, {}))

@@ -16,12 +16,12 @@ from click.testing import CliRunner
 from kvbench.backends.enginesim.roofline import Calibration, LatencyModel
 
 from kvbench import calibrate as C
-from kvbench.capacity import MODELS
+from kvbench.cache.capacity import MODELS
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
-from kvbench.fakeserver import FakeServer
 from kvbench.hardware import HARDWARE
-from kvbench.pacing import Outcome
+from kvbench.live.fakeserver import FakeServer
+from kvbench.live.pacing import Outcome
 
 from .live.conftest import RunningServer, free_port
 
@@ -209,8 +209,8 @@ def test_the_file_round_trips_into_engine_sim(tmp_path):
 def test_engine_sim_replays_a_long_prompt_in_the_modeled_ttft(tmp_path):
     """One 5000-token request alone: engine-sim cuts it into 2048-token chunks as the server does, and its TTFT
     is the request overhead plus the chunks' steps, as the fit's prefill row says."""
-    from kvbench.runner import run_replay
-    from kvbench.traceio import new_meta, write_trace
+    from kvbench.run.runner import run_replay
+    from kvbench.trace.files import new_meta, write_trace
 
     result = synthetic()
     path = C.write(tmp_path / "calib.toml", result, C.fit(result))

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from kvbench.generators import registry
+from kvbench.trace.generators import registry
 
 
 def kvbench(*args, cwd=None):
@@ -50,7 +50,7 @@ def test_info_markdown_report(tmp_path):
 def test_invalid_trace_is_reported_and_exits_nonzero(tmp_path):
     import pyarrow as pa
 
-    from kvbench.traceio import read_trace, write_trace
+    from kvbench.trace.files import read_trace, write_trace
 
     out = tmp_path / "t.parquet"
     kvbench("trace", "gen", "chat", "-n", 50, "-o", out)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.cli import main
-from kvbench.traceio import read_trace, write_trace
+from kvbench.trace.files import read_trace, write_trace
 
 from ..conftest import REPO
 

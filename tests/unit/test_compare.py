@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.comparison import QUANTILES, bootstrap, compare
+from kvbench.run.comparison import QUANTILES, bootstrap, compare
 
 RUNS = Path(__file__).resolve().parents[1] / "data" / "runs"
 LIVE, SIM = "chat40-live", "chat40-sim"

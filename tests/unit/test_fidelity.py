@@ -1,4 +1,4 @@
-"""kvbench.fidelity on two requests.parquet files written by hand, every expected number worked out by hand
+"""kvbench.run.fidelity on two requests.parquet files written by hand, every expected number worked out by hand
 (below), and the Markdown/HTML rendering of the table with its off-target cells.
 
 Live run, rows stored out of send order (skipping must go by send time, not row order):
@@ -27,10 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench import fidelity as F
 from kvbench.errors import KvbenchError
-from kvbench.fidelity import fidelity, format_rows, join, rows
 from kvbench.report.fidelity import fidelity_html, fidelity_markdown, off_target
+from kvbench.run import fidelity as F
+from kvbench.run.fidelity import fidelity, format_rows, join, rows
 
 NaN = math.nan
 LIVE_ROWS = [  # request_id, sent, workload, tenant, output_tokens, status, ttft, tpot, e2el, cached

@@ -5,10 +5,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kvbench.blockhash import is_prefix_consistent, mix
-from kvbench.generators import get
-from kvbench.generators.agent import AgentParams
-from kvbench.validation import validate_table
+from kvbench.trace.blockhash import is_prefix_consistent, mix
+from kvbench.trace.generators import get
+from kvbench.trace.generators.agent import AgentParams
+from kvbench.trace.validation import validate_table
 
 BS = 64
 DEFAULTS = AgentParams()

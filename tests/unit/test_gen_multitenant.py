@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from kvbench.generators import get
-from kvbench.validation import validate_table
+from kvbench.trace.generators import get
+from kvbench.trace.validation import validate_table
 
 BS = 64
 

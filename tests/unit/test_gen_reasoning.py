@@ -5,9 +5,9 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kvbench.generators import get
-from kvbench.generators.reasoning import ReasoningParams
-from kvbench.validation import validate_table
+from kvbench.trace.generators import get
+from kvbench.trace.generators.reasoning import ReasoningParams
+from kvbench.trace.validation import validate_table
 
 BS = 64
 DEFAULTS = ReasoningParams()

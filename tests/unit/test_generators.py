@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.generators import get, registry
-from kvbench.stats import infinite_cache_hits
-from kvbench.validation import validate_table
+from kvbench.trace.generators import get, registry
+from kvbench.trace.stats import infinite_cache_hits
+from kvbench.trace.validation import validate_table
 
 KINDS = sorted(registry())
 

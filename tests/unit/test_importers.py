@@ -13,8 +13,8 @@ import pyarrow.compute as pc
 import pytest
 
 from kvbench.errors import TraceFormatError
-from kvbench.importers import get
-from kvbench.validation import validate_table
+from kvbench.trace.importers import get
+from kvbench.trace.validation import validate_table
 
 from ..conftest import SHARED_TRACES as TRACES
 
@@ -464,6 +464,6 @@ def test_kv_cache_tester_bad_sources(tmp_path):
 
 
 def test_importers_registered():
-    from kvbench.importers import registry
+    from kvbench.trace.importers import registry
 
     assert {"azure", "bailian", "burstgpt", "kv-cache-tester", "mooncake"} <= set(registry())

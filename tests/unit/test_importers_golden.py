@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.importers import get
+from kvbench.trace.importers import get
 
 TESTS = Path(__file__).resolve().parents[1]
 FIXTURES = TESTS / "fixtures"

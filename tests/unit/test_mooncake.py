@@ -6,10 +6,10 @@ import subprocess
 import pytest
 
 from kvbench.errors import TraceFormatError
-from kvbench.export import export_mooncake
-from kvbench.importers import get
-from kvbench.stats import trace_info
-from kvbench.traceio import read_trace
+from kvbench.trace.export import export_mooncake
+from kvbench.trace.files import read_trace
+from kvbench.trace.importers import get
+from kvbench.trace.stats import trace_info
 
 
 def kvbench(*args):
@@ -70,7 +70,7 @@ def test_non_chained_ids_are_chained(tmp_path):
 
 
 def test_generated_trace_exports_integer_ms(tmp_path):
-    from kvbench.generators import get as gen
+    from kvbench.trace.generators import get as gen
 
     table, meta = gen("chat").run(50, seed=1)
     out = export_mooncake(table, meta, tmp_path / "g.jsonl", renumber=True)

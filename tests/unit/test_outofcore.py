@@ -1,4 +1,4 @@
-"""The out-of-core infinite-cache computation equals the in-memory one (kvbench.outofcore, stats.trace_info_file)."""
+"""The out-of-core infinite-cache computation equals the in-memory one (trace.outofcore, trace.stats)."""
 
 import json
 import subprocess
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.outofcore import InfiniteCacheStream
-from kvbench.stats import infinite_cache_hits, trace_info, trace_info_file
-from kvbench.traceio import read_trace
+from kvbench.trace.files import read_trace
+from kvbench.trace.outofcore import InfiniteCacheStream
+from kvbench.trace.stats import infinite_cache_hits, trace_info, trace_info_file
 
 from ..conftest import REPO
 

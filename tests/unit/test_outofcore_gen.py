@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.generators import InMemoryLimit, get, registry
-from kvbench.generators import _stream as stream
-from kvbench.stats import trace_info, trace_info_file
-from kvbench.traceio import read_trace
-from kvbench.tracescan import validate_file
+from kvbench.trace.files import read_trace
+from kvbench.trace.generators import InMemoryLimit, get, registry
+from kvbench.trace.generators import _stream as stream
+from kvbench.trace.scan import validate_file
+from kvbench.trace.stats import trace_info, trace_info_file
 
 from ..conftest import REPO
 
@@ -101,7 +101,7 @@ def test_merge_releases_rows_only_when_no_later_window_can_precede_them():
 
 
 def test_in_memory_kinds_refuse_what_does_not_fit(monkeypatch, tmp_path):
-    import kvbench.generators as generators
+    import kvbench.trace.generators as generators
 
     monkeypatch.setattr(generators, "_available_memory", lambda: 10 * get("agent").bytes_per_request)
     with pytest.raises(InMemoryLimit, match=r"agent builds the whole trace in memory.*chat, .*reasoning"):
@@ -135,7 +135,7 @@ def test_a_failed_generation_leaves_no_file(tmp_path, monkeypatch):
         for part in real(windows, slack):
             yield part.take(pa.array(np.arange(part.num_rows)[::-1]))
 
-    monkeypatch.setattr("kvbench.generators._stream.in_arrival_order", broken)
+    monkeypatch.setattr("kvbench.trace.generators._stream.in_arrival_order", broken)
     with pytest.raises(Exception, match="non-decreasing"):
         get("chat").write(out, 500, window_requests=100)
     assert not list(tmp_path.iterdir())

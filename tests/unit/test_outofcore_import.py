@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import TraceFormatError
-from kvbench.importers import get
-from kvbench.importers.mooncake import write_mooncake
-from kvbench.traceio import ROW_GROUP_SIZE, read_trace
+from kvbench.trace.files import ROW_GROUP_SIZE, read_trace
+from kvbench.trace.importers import get
+from kvbench.trace.importers.mooncake import write_mooncake
 
 from ..conftest import REPO
 

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.references import References, check_across_rows
-from kvbench.stats import hit_rates, infinite_cache_hits, trace_info, trace_info_file
-from kvbench.traceio import read_trace
-from kvbench.tracescan import validate_file
-from kvbench.tracesummary import percentiles_of_counts
-from kvbench.validation import ValidationReport, validate_table
+from kvbench.trace.files import read_trace
+from kvbench.trace.references import References, check_across_rows
+from kvbench.trace.scan import validate_file
+from kvbench.trace.stats import hit_rates, infinite_cache_hits, trace_info, trace_info_file
+from kvbench.trace.summary import percentiles_of_counts
+from kvbench.trace.validation import ValidationReport, validate_table
 
 from ..conftest import REPO, make_trace
 from .test_validate import set_value
@@ -164,7 +164,7 @@ def test_hashed_cross_row_checks_equal_the_text_checks(ids, parents, data):
 @settings(max_examples=100, deadline=None)
 @given(chunks=st.lists(st.lists(st.integers(0, 2**63), max_size=50), max_size=30), capacity=st.integers(1, 8))
 def test_growing_array_holds_every_chunk_in_order(chunks, capacity):
-    from kvbench.outofcore import GrowingArray
+    from kvbench.trace.outofcore import GrowingArray
 
     grown = GrowingArray(np.uint64, capacity)
     for chunk in chunks:

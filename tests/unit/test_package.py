@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tomllib
 
-from kvbench import plugins
+from kvbench.run import plugins
 
 from ..conftest import REPO
 
@@ -23,7 +23,7 @@ def test_the_console_script_runs(tmp_path):
 def test_backends_are_namespaced_and_found_through_entry_points(tmp_path):
     # Run outside the source tree so that only what pip installed is importable.
     code = (
-        "import importlib.util, kvbench.backends, kvbench.plugins as p;"
+        "import importlib.util, kvbench.backends, kvbench.run.plugins as p;"
         "print(importlib.util.find_spec('backends') is None, kvbench.backends.__name__, p.backend_names())"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
@@ -92,8 +92,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: an extra)", name=name)
 sys.meta_path.insert(0, Block())
 import kvbench.cli
-from kvbench import plugins
-from kvbench.demo import demo_backends
+from kvbench.run import plugins
+from kvbench.run.demo import demo_backends
 for name in plugins.backend_names():
     plugins.load_backend(name)
 print(demo_backends())

@@ -16,13 +16,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from kvbench.backends.sim.policies import vllm
-from kvbench.backends.sim.prepared import prepare
 
-from kvbench.generators import get
-from kvbench.prompts import prompt_tokens, rebase_blocks
-from kvbench.schema import MM_ITEM, conform
-from kvbench.traceio import read_meta, read_trace
+from kvbench.cache.policies import vllm
+from kvbench.cache.prepared import prepare
+from kvbench.live.prompts import prompt_tokens, rebase_blocks
+from kvbench.trace.files import read_meta, read_trace
+from kvbench.trace.generators import get
+from kvbench.trace.schema import MM_ITEM, conform
 
 from ..conftest import REPO
 
@@ -191,7 +191,7 @@ def test_rebasing_a_sliced_table_gives_the_same_ids_per_request(generated):
 
 def test_passes_do_not_change_ids(monkeypatch, generated):
     """Requests are rebased a bounded number of pieces at a time; where the passes split must not matter."""
-    import kvbench.prompts as prompts
+    import kvbench.live.prompts as prompts
 
     _, table = generated
     whole = rebase_blocks(table, TRACE_BLOCK, ENGINE_BLOCK)

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.runner import run_replay
-from kvbench.schema import conform
-from kvbench.traceio import new_meta, write_trace
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import new_meta, write_trace
+from kvbench.trace.schema import conform
 
 from ..conftest import REPO
 
@@ -146,7 +146,7 @@ def test_salted_tenants_never_share_blocks(tmp_path):
 def test_interrupted_run_keeps_finished_points(tmp_path, monkeypatch):
     import dataclasses
 
-    from kvbench.backends.sim import policies
+    from kvbench.cache import policies
 
     lru = policies.get("lru")
     calls = []
@@ -228,8 +228,8 @@ def test_stream_refuses_what_needs_the_whole_trace(tmp_path, extra, message):
 
 def test_metrics_summed_chunk_by_chunk_equal_the_whole_trace():
     """A streamed replay reports from per-chunk sums (MetricSums): however the rows are cut, the same dict."""
-    from kvbench.metrics import MetricSums, point_metrics
-    from kvbench.traceio import read_trace
+    from kvbench.run.metrics import MetricSums, point_metrics
+    from kvbench.trace.files import read_trace
 
     table, meta = read_trace(REPO / "traces/samples/mix.parquet")  # tenants, workloads and modalities
     n_blocks = pa.compute.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False)

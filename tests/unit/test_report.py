@@ -8,7 +8,7 @@ import re
 import subprocess
 
 from kvbench.report.page import Figure, Links, Section, Table, render_html, render_markdown
-from kvbench.runner import run_replay
+from kvbench.run.runner import run_replay
 
 from ..conftest import REPO
 
@@ -85,7 +85,7 @@ def test_kvbench_report_rewrites_the_reports(tmp_path):
 
 
 def test_demo_writes_an_index_of_every_workload(tmp_path):
-    from kvbench import generators
+    from kvbench.trace import generators
 
     out = tmp_path / "demo"
     r = subprocess.run(["kvbench", "demo", "-n", "300", "--out", str(out)], capture_output=True, text=True)

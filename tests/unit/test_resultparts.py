@@ -13,9 +13,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.backend import PointResult
-from kvbench.resultparts import PartWriter, list_parts, merge_parts, parts_dir, write_durably
-from kvbench.results import RESULT_SCHEMA, ResultsUnreadable, ResultWriter, read_requests, result_files
+from kvbench.run.backend import PointResult
+from kvbench.run.resultparts import PartWriter, list_parts, merge_parts, parts_dir, write_durably
+from kvbench.run.results import RESULT_SCHEMA, ResultsUnreadable, ResultWriter, read_requests, result_files
 
 
 def rows(ids: list[str], status: str = "ok", point: str = "live") -> pa.Table:
@@ -143,7 +143,7 @@ def test_report_of_a_run_with_a_torn_results_file_names_the_file(tmp_path):
     from click.testing import CliRunner
 
     from kvbench.cli import main
-    from kvbench.runner import run_replay
+    from kvbench.run.runner import run_replay
 
     from ..conftest import REPO
 

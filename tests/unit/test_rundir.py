@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
-from kvbench.rundir import RunDir, fresh_dir
+from kvbench.run.rundir import RunDir, fresh_dir
 
 SAMPLES = Path(__file__).resolve().parents[2] / "traces" / "samples"
 CHAT = str(SAMPLES / "chat.parquet")

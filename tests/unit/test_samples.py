@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from kvbench.generators import get
-from kvbench.traceio import read_trace
-from kvbench.validation import validate_table
+from kvbench.trace.files import read_trace
+from kvbench.trace.generators import get
+from kvbench.trace.validation import validate_table
 
 from ..conftest import REPO
 

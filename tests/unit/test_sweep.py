@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvbench import engines, runner
+from kvbench import engines
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
-from kvbench.executors import ExecutorSettings, open_pool, run_points
-from kvbench.fakeserver import FakeServer
-from kvbench.sweeps import Grid, Point, expand, name_points
+from kvbench.live.fakeserver import FakeServer
+from kvbench.run import runner
+from kvbench.run.executors import ExecutorSettings, open_pool, run_points
+from kvbench.run.sweeps import Grid, Point, expand, name_points
 
 from ..conftest import REPO
 from .live.conftest import RunningServer

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvbench import sweeps as sweep_module
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
-from kvbench.executors import ExecutorSettings, open_pool, run_points
-from kvbench.fakeserver import FakeServer
-from kvbench.sweeps import Point, PointTask, name_points
+from kvbench.live.fakeserver import FakeServer
+from kvbench.run import sweeps as sweep_module
+from kvbench.run.executors import ExecutorSettings, open_pool, run_points
+from kvbench.run.sweeps import Point, PointTask, name_points
 
 from ..conftest import REPO
 from .live.conftest import RunningServer

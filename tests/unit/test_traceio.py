@@ -3,8 +3,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import TraceFormatError
-from kvbench.schema import TRACE_SCHEMA, conform
-from kvbench.traceio import iter_batches, new_meta, read_meta, read_trace, write_trace
+from kvbench.trace.files import iter_batches, new_meta, read_meta, read_trace, write_trace
+from kvbench.trace.schema import TRACE_SCHEMA, conform
 
 
 def test_round_trip_keeps_schema_metadata_and_extra_columns(tmp_path, small_trace):

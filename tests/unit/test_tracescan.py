@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import ValidationFailed
-from kvbench.stats import hit_rates, infinite_cache_hits
-from kvbench.traceio import read_trace
-from kvbench.tracescan import REPLAY_COLUMNS, block_references, scan_trace, trace_fingerprint
-from kvbench.validation import validate_table
+from kvbench.trace.files import read_trace
+from kvbench.trace.scan import REPLAY_COLUMNS, block_references, scan_trace, trace_fingerprint
+from kvbench.trace.stats import hit_rates, infinite_cache_hits
+from kvbench.trace.validation import validate_table
 
 from ..conftest import REPO, make_trace
 from .test_validate import set_value

@@ -6,7 +6,7 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.validation import validate_table
+from kvbench.trace.validation import validate_table
 
 from ..conftest import make_trace
 
@@ -91,7 +91,7 @@ def test_trace_validate_gives_a_verdict_for_every_file(small_trace, tmp_path):
     from click.testing import CliRunner
 
     from kvbench.cli import main
-    from kvbench.traceio import new_meta, write_trace
+    from kvbench.trace.files import new_meta, write_trace
 
     good, bad = tmp_path / "good.parquet", tmp_path / "bad.parquet"
     write_trace(small_trace, good, new_meta(4, {}))

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import click
 import numpy as np
+from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
-
-from . import Scenario, scenario
 
 
 @scenario
@@ -37,7 +36,7 @@ class AgentTasks(Scenario):
         return cls(bool(settings.get("task_retention"))) if settings.get("closed_loop") else None
 
     def attach(self, instances, reqs, trace, prep, block_size):
-        from kvbench.pacing import predecessors
+        from kvbench.live.pacing import predecessors
 
         self.preds = predecessors(trace)
         self.waiting_succ = np.zeros(len(reqs), dtype=np.int64)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import click
 import numpy as np
+from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
-
-from . import Scenario, scenario
 
 
 @scenario

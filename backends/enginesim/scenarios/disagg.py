@@ -41,10 +41,9 @@ from __future__ import annotations
 
 import click
 import numpy as np
+from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
-
-from . import Scenario, scenario
 
 HOP_S = 5e-6  # one-way latency of a link crossing (RDMA-class fabric), per crossing
 ACT_BYTES = 2  # activations cross as bf16

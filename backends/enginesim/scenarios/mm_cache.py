@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 import click
-
-from . import Scenario, scenario
+from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 COPIES_PER_ITEM = 4  # newest copies of an item's KV an instance looks for (older ones are rarely still cached)
 

@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import click
 import numpy as np
+from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
+from kvbench.cache.reference import PrefixCache
 from kvbench.errors import KvbenchError
-
-from ...sim.policies._reference import PrefixCache
-from . import Scenario, scenario
 
 
 @scenario
@@ -175,7 +174,7 @@ def _page_admitter(cache):
         # vLLM's slot pool: a page is held like a hit block (or takes the free queue's head like a computed one)
         # and is released with the request's blocks
         return cache.hold_key
-    from ...sim.policies._trie import TrieReference
+    from kvbench.cache.trie import TrieReference
 
     if type(cache).admit is PrefixCache.admit or isinstance(cache, TrieReference):
         raise KvbenchError(

@@ -4,8 +4,7 @@ crowd the pool that short chat turns need (a separate decode pool)."""
 from __future__ import annotations
 
 import click
-
-from . import Scenario, scenario
+from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 
 @scenario

@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections import deque
 
 import click
+from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
-
-from . import Scenario, scenario
 
 
 def _deletions(values) -> list[tuple[str, float]]:

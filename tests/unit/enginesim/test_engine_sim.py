@@ -7,10 +7,10 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from kvbench.backends.sim import policies
 
-from kvbench.runner import run_replay
-from kvbench.traceio import read_trace, write_trace
+from kvbench.cache import policies
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import read_trace, write_trace
 
 from ...conftest import REPO
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 from kvbench.backends.enginesim import EngineSimBackend
-from kvbench.backends.enginesim.tiers import GlobalStore
 
+from kvbench.cache.tiers import GlobalStore
 from kvbench.errors import KvbenchError
-from kvbench.traceio import TraceMeta, conform
+from kvbench.trace.files import TraceMeta, conform
 
 BS = 16
 BLOCK_BYTES = 131_072 * BS

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvbench.runner import run_replay
-from kvbench.traceio import read_trace, write_trace
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import read_trace, write_trace
 
 from ...conftest import REPO
 

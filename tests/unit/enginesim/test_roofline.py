@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from kvbench.backends.enginesim.roofline import Calibration, LatencyModel
 
-from kvbench.capacity import MODELS, ModelGeometry
+from kvbench.cache.capacity import MODELS, ModelGeometry
 from kvbench.errors import KvbenchError
 from kvbench.hardware import HARDWARE, load_specs, resolve_hardware, resolve_model
 

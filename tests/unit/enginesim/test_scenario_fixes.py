@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.rundir import fresh_dir
-from kvbench.runner import run_replay
-from kvbench.traceio import new_meta, write_trace
+from kvbench.run.rundir import fresh_dir
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import new_meta, write_trace
 
 BS = 16
 KV_BLOCK = 32 * 8 * 128 * 2 * 2 * BS  # bytes of one block of llama3-8b KV

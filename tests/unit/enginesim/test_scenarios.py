@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.runner import run_replay
-from kvbench.traceio import read_trace
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import read_trace
 
 from ...conftest import REPO
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from kvbench.fakeserver import FakeServer, fault_plan
+from kvbench.live.fakeserver import FakeServer, fault_plan
 
 
 class RunningServer:

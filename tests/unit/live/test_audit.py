@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from kvbench.audit import audit_isolation
 from kvbench.errors import KvbenchError
-from kvbench.fakeserver import FakeServer
+from kvbench.live.audit import audit_isolation
+from kvbench.live.fakeserver import FakeServer
 
 from .conftest import RunningServer, free_port
 

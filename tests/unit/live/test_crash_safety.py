@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.fakeserver import FakeServer
-from kvbench.live import FLUSH_SECONDS
-from kvbench.results import read_requests, result_files
+from kvbench.live.fakeserver import FakeServer
+from kvbench.live.replay import FLUSH_SECONDS
+from kvbench.run.results import read_requests, result_files
 
 from ...conftest import REPO
 from .conftest import RunningServer

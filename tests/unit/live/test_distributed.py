@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench import distributed
-from kvbench.distributed import shard_sessions, sharding_units
 from kvbench.errors import KvbenchError
-from kvbench.runner import run_replay
-from kvbench.traceio import new_meta, write_trace
+from kvbench.live import distributed
+from kvbench.live.distributed import shard_sessions, sharding_units
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import new_meta, write_trace
 
 from ...conftest import make_trace
 from .conftest import free_port
@@ -218,7 +218,7 @@ def test_a_worker_that_cannot_connect_fails_the_run_as_one_client_would(ray_clus
 def test_cli_reports_a_dead_worker(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    import kvbench.runner
+    import kvbench.run.runner
     from kvbench.cli import main
 
     dead = {"id": 1, "host": "node-b", "status": "dead", "error": "killed", "unfinished_requests": 3}
@@ -227,7 +227,7 @@ def test_cli_reports_a_dead_worker(tmp_path, monkeypatch):
         {**dead, "unfinished_sessions": ["s1", "s4"], "schedule_lag": {"p99_ms": None}},
     ]
     summary = {"points": [], "curves": [], "workers": workers}
-    monkeypatch.setattr(kvbench.runner, "run_replay", lambda *a, **k: (tmp_path, summary))
+    monkeypatch.setattr(kvbench.run.runner, "run_replay", lambda *a, **k: (tmp_path, summary))
     args = ["replay", "t.parquet", "--backend", "openai", "--url", "http://x", "--workers", "2", "--executor", "ray"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output

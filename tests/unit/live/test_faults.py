@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.latency import error_class
-from kvbench.runner import run_replay
+from kvbench.live.latency import error_class
+from kvbench.run.runner import run_replay
 
 from ...conftest import REPO
 from .conftest import free_port
@@ -69,9 +69,8 @@ def test_an_unreachable_server_stops_the_run_before_any_request(tmp_path):
 def test_a_server_that_goes_away_is_recorded_as_connection_refused():
     import asyncio
 
-    from kvbench.backends.openai.client import OpenAIClient
-
-    from kvbench.pacing import Outcome
+    from kvbench.live.client import OpenAIClient
+    from kvbench.live.pacing import Outcome
 
     async def send():
         o = Outcome(row=0)
@@ -86,7 +85,7 @@ def test_a_server_that_goes_away_is_recorded_as_connection_refused():
 
 def test_interrupted_run_keeps_a_readable_partial_result(fake_server, tmp_path, monkeypatch):
     """Ctrl-C in the middle: requests.parquet and summary.json are complete files with every request."""
-    import kvbench.live as live
+    import kvbench.live.replay as live
 
     srv = fake_server(itl_ms=2)
     done = []

@@ -9,9 +9,9 @@ import pytest
 from kvbench.backends.openai import OpenAIBackend
 
 from kvbench.errors import KvbenchError
-from kvbench.latency import error_class
+from kvbench.live.latency import error_class
 from kvbench.redact import MASK
-from kvbench.runner import run_replay
+from kvbench.run.runner import run_replay
 
 from ...conftest import REPO
 
@@ -160,7 +160,7 @@ def test_a_refused_metrics_endpoint_is_a_warning_not_a_failure(tmp_path, capsys)
     """/metrics behind other credentials: the run is measured without server counters, and says why."""
     from aiohttp import web
 
-    from kvbench.fakeserver import FakeServer
+    from kvbench.live.fakeserver import FakeServer
 
     from .conftest import RunningServer
 

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.pacing import Outcome, Pacing, dispatch, open_loop_offsets, predecessors
-from kvbench.runner import run_replay
-from kvbench.traceio import new_meta, write_trace
+from kvbench.live.pacing import Outcome, Pacing, dispatch, open_loop_offsets, predecessors
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import new_meta, write_trace
 
 from ...conftest import REPO, make_trace
 

@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from kvbench.prompts import RESERVED_TOKENS, prompt_tokens, rebase_blocks, words
-from kvbench.runner import run_replay
-from kvbench.traceio import read_trace
+from kvbench.live.prompts import RESERVED_TOKENS, prompt_tokens, rebase_blocks, words
+from kvbench.run.runner import run_replay
+from kvbench.trace.files import read_trace
 
 from ...conftest import REPO
 
@@ -104,7 +104,7 @@ def test_compare_shows_the_fidelity_gap(fake_server, tmp_path):
 
 
 def test_batched_synthesis_equals_per_request():
-    from kvbench.prompts import prompt_tokens_batch
+    from kvbench.live.prompts import prompt_tokens_batch
 
     table, meta = read_trace(CHAT)
     table = table.slice(100, 300)

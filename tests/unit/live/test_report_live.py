@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pyarrow.parquet as pq
 
-from kvbench.runner import run_replay
+from kvbench.run.runner import run_replay
 
 from ...conftest import REPO
 

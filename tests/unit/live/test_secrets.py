@@ -25,13 +25,13 @@ CHAT = REPO / "traces/samples/chat.parquet"
 
 @pytest.fixture
 def fake_server_process():
-    """Factory: start `python -m kvbench.fakeserver` with these arguments -> its port."""
+    """Factory: start `python -m kvbench.live.fakeserver` with these arguments -> its port."""
     started = []
 
     def start(*args: str) -> int:
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbench.fakeserver", "--port", str(port), *args],
+            [sys.executable, "-m", "kvbench.live.fakeserver", "--port", str(port), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

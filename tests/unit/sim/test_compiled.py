@@ -20,10 +20,10 @@ CAPACITIES = (1, 7, 64, 500, 5000)
 REPLAY = r"""
 import sys
 import numpy as np
-from kvbench.traceio import read_trace
-from kvbench.backends.sim import policies
-from kvbench.backends.sim.curve import lru_curve
-from kvbench.backends.sim.prepared import prepare
+from kvbench.trace.files import read_trace
+from kvbench.cache import policies
+from kvbench.cache.curve import lru_curve
+from kvbench.cache.prepared import prepare
 
 out = {}
 for sample in ("chat", "multi-tenant"):
@@ -66,7 +66,7 @@ def kernel_dir(tmp_path_factory):
     if not any(shutil.which(c) for c in (os.environ.get("CC", "cc"), "cc", "gcc", "clang")):
         pytest.skip("no C compiler on PATH: numba.pycc cannot build the AOT kernel module")
     d = tmp_path_factory.mktemp("kernels")
-    build = "from kvbench.backends.sim._compiled import build; print(build())"
+    build = "from kvbench.cache.compiled import build; print(build())"
     r = _python(build, env=_env(d))
     assert r.returncode == 0, r.stderr
     failed = list(d.glob("*.failed"))
@@ -118,7 +118,7 @@ def test_import_and_help_do_not_import_numba(tmp_path):
 
 
 def test_module_name_tracks_the_sources(tmp_path, monkeypatch):
-    from kvbench.backends.sim import _compiled
+    from kvbench.cache import compiled as _compiled
 
     name = _compiled.module_name()
     assert name.startswith("kvbench_kernels_") and name == _compiled.module_name()

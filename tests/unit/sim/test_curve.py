@@ -1,4 +1,4 @@
-"""The one-pass curve (backends/sim/curve.py) is exact: at every capacity it gives the hit blocks a replay of the
+"""The one-pass curve (kvbench/cache/curve.py) is exact: at every capacity it gives the hit blocks a replay of the
 policy's kernel gives, and it reproduces the reference numbers of docs/semantics.md (Reference figures)."""
 
 import json
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvbench.backends.sim import policies
-from kvbench.backends.sim._densify import densify
-from kvbench.backends.sim.curve import lru_curve
-from kvbench.backends.sim.prepared import PreparedTrace, prepare
 
-from kvbench.traceio import read_trace
+from kvbench.cache import policies
+from kvbench.cache.curve import lru_curve
+from kvbench.cache.densify import densify
+from kvbench.cache.prepared import PreparedTrace, prepare
+from kvbench.trace.files import read_trace
 
 from ...conftest import REPO
 

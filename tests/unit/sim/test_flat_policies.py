@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from kvbench.backends.sim import policies
-from kvbench.backends.sim.policies import fifo, lru, vllm
-from kvbench.backends.sim.policies._trie import TrieReference
-from kvbench.backends.sim.prepared import prepare
 
-from kvbench.schema import conform
-from kvbench.traceio import read_trace
+from kvbench.cache import policies
+from kvbench.cache.policies import fifo, lru, vllm
+from kvbench.cache.prepared import prepare
+from kvbench.cache.trie import TrieReference
+from kvbench.trace.files import read_trace
+from kvbench.trace.schema import conform
 
 REPO = Path(__file__).resolve().parents[3]
 MOONCAKE = REPO / "traces" / "mooncake" / "conversation_trace.parquet"

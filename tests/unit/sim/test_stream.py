@@ -7,11 +7,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from kvbench.backends.sim import policies
-from kvbench.backends.sim.prepared import prepare, prepare_requests
-from kvbench.backends.sim.stream import StreamReplay
 
-from kvbench.traceio import read_trace
+from kvbench.cache import policies
+from kvbench.cache.prepared import prepare, prepare_requests
+from kvbench.cache.stream import StreamReplay
+from kvbench.trace.files import read_trace
 
 from ...conftest import REPO
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from kvbench.backends.sim import policies
-from kvbench.backends.sim.policies import tenant_quota
-from kvbench.backends.sim.policies._trie import TrieReference
-from kvbench.backends.sim.prepared import PreparedTrace, prepare
 
-from kvbench.schema import conform
-from kvbench.traceio import read_trace
+from kvbench.cache import policies
+from kvbench.cache.policies import tenant_quota
+from kvbench.cache.prepared import PreparedTrace, prepare
+from kvbench.cache.trie import TrieReference
+from kvbench.trace.files import read_trace
+from kvbench.trace.schema import conform
 
 REPO = Path(__file__).resolve().parents[3]
 MOONCAKE = REPO / "traces" / "mooncake" / "conversation_trace.parquet"

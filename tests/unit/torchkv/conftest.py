@@ -2,7 +2,7 @@ import importlib.util
 
 import pytest
 
-from kvbench.traceio import read_trace, write_trace
+from kvbench.trace.files import read_trace, write_trace
 
 if importlib.util.find_spec("torch") is None:  # the torch backend needs torch: pip install -e '.[torch]'
     collect_ignore_glob = ["test_*.py"]

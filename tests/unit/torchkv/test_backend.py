@@ -7,10 +7,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from kvbench.backends.sim import policies
 
+from kvbench.cache import policies
 from kvbench.cli import main
-from kvbench.runner import run_replay
+from kvbench.run.runner import run_replay
 
 ALL_POLICIES = [p for p in policies.registry() if p != "tenant-quota"]
 

@@ -1,5 +1,5 @@
 """`example`: a FIFO cache of --capacity blocks, in plain Python — a kvbench backend plug-in as a third party
-writes one (kvbench.backend.OfflineBackend). A request hits the cached prefix of its blocks (the leading
+writes one (kvbench.run.backend.OfflineBackend). A request hits the cached prefix of its blocks (the leading
 blocks that are cached); then each of its blocks not cached is inserted, the oldest inserted block evicted
 when the cache is full. That is the rule of the built-in `--backend sim --policy fifo`, so both give the same
 hits (on a trace without cache_salt or LoRA, which sim would fold into the keys)."""
@@ -9,12 +9,12 @@ from collections import OrderedDict
 import click
 import numpy as np
 
-from kvbench.backend import PointResult
+from kvbench.run.backend import PointResult
 
 
 class ExampleBackend:
     name = "example"
-    kind = "offline"  # the protocol it implements: kvbench.backend.OfflineBackend
+    kind = "offline"  # the protocol it implements: kvbench.run.backend.OfflineBackend
 
     @classmethod
     def cli_options(cls):

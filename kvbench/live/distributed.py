@@ -1,0 +1,384 @@
+"""Distributed load generation for a live replay (`kvbench replay … --workers N --executor ray`): the trace's
+sessions are sharded across Ray actors (`loadworker.LoadWorker`), each running the ordinary dispatcher and
+backend client on its shard; this driver merges what they measure into one run.
+
+- Sharding unit: a session and everything linked to it by parent_id or depends_on (a connected component),
+  so that a closed loop's dependencies never cross workers; a request with none of these is its own unit.
+  Units go largest first to the worker with the fewest requests so far: balanced by requests, deterministic.
+- One schedule: the driver computes the single-client schedule of the whole trace (`schedule_offsets`) and
+  gives each worker its rows' offsets, and one wall-clock start instant that every worker waits for; so the
+  merged run's scheduled send times are a single client's for the same options.
+- One result: outcomes come back in batches (the driver polls every POLL_S), go to requests.parquet as
+  `run_live` writes them and into the same summary, plus `workers` (per-worker lag, failures, sessions).
+- A dead worker (killed, crashed, node lost) loses only what it had not reported: those requests are
+  recorded as `worker_lost`, its unfinished sessions are listed, the other workers' results are kept.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import heapq
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from kvbench.errors import KvbenchError
+from kvbench.live.latency import per_request
+from kvbench.live.pacing import Outcome, request_count, schedule_offsets
+from kvbench.live.replay import DONE, IncrementalResults, point_summary, previous_outcomes, resumed_clock
+
+START_MARGIN_S = 2.0  # the shared start is this far after the workers are placed: it covers their connect
+POLL_S = 0.5  # how often the driver collects answered requests from the workers
+STOP_WAIT_S = 15.0  # after Ctrl-C, how long a worker may take to report what it cancelled
+PLACE_WAIT_S = 120.0  # how long workers may wait for a place in the cluster (1 CPU each)
+EXECUTORS = ("local", "ray")
+
+
+def unit_names(table: pa.Table) -> list[str]:
+    """The name each row's sharding unit is listed under: its session, or its own id without one."""
+    ids = table.column("request_id").to_pylist()
+    if "session_id" not in table.column_names:
+        return ids
+    return [s if s is not None else r for s, r in zip(table.column("session_id").to_pylist(), ids)]
+
+
+def sharding_units(table: pa.Table) -> list[list[int]]:
+    """Rows that must run on one worker: sessions joined by parent_id and depends_on links (union-find),
+    each a list of rows in trace order; units ordered by their first row."""
+    n = table.num_rows
+    root = list(range(n))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    def join(i: int, j: int) -> None:
+        a, b = find(i), find(j)
+        if a != b:
+            root[max(a, b)] = min(a, b)
+
+    index = {rid: i for i, rid in enumerate(table.column("request_id").to_pylist())}
+    first_of_session: dict[str, int] = {}
+
+    def column(name):
+        return table.column(name).to_pylist() if name in table.column_names else [None] * n
+
+    for i, (session, parent, deps) in enumerate(zip(column("session_id"), column("parent_id"), column("depends_on"))):
+        if session is not None:
+            join(first_of_session.setdefault(session, i), i)
+        for linked in ([parent] if parent is not None else []) + list(deps or ()):
+            j = index.get(linked)
+            if j is not None:  # a link to a request outside the replayed rows binds nothing
+                join(i, j)
+    units: dict[int, list[int]] = {}
+    for i in range(n):
+        units.setdefault(find(i), []).append(i)
+    return list(units.values())
+
+
+@dataclass
+class Shard:
+    worker: int
+    rows: list[int] = field(default_factory=list)  # rows of the replayed table, in trace order
+    units: list[str] = field(default_factory=list)  # its sessions (and loose requests), `unit_names`
+
+
+def shard_sessions(table: pa.Table, workers: int) -> list[Shard]:
+    """Split the replayed rows into `workers` shards of whole units, greedy largest-first by request count
+    (ties: the earlier unit, the lower worker), so the same trace always shards the same way."""
+    names = unit_names(table)
+    shards = [Shard(w) for w in range(workers)]
+    lightest = [(0, w) for w in range(workers)]  # (requests so far, worker): a heap
+    for unit in sorted(sharding_units(table), key=lambda u: (-len(u), u[0])):
+        load, w = heapq.heappop(lightest)
+        shards[w].rows.extend(unit)
+        shards[w].units.extend(dict.fromkeys(names[i] for i in unit))
+        heapq.heappush(lightest, (load + len(unit), w))
+    for s in shards:
+        s.rows.sort()
+    return shards
+
+
+def check_executor(workers: int, executor: str, online: bool, ray_address: str = "") -> None:
+    if (workers > 1 or executor != "local") and not online:
+        raise KvbenchError(
+            "--workers and --executor ray drive a live backend (e.g. --backend openai); a simulator replays in one "
+            "process"
+        )
+    if workers > 1 and executor == "local":
+        raise KvbenchError(
+            f"--workers {workers} runs the load generators as Ray actors: add --executor ray (a local Ray cluster "
+            "is started unless --ray-address names one)"
+        )
+    if ray_address and executor != "ray":
+        raise KvbenchError("--ray-address is for --executor ray")
+
+
+@dataclass
+class _Worker:
+    shard: Shard
+    handle: object
+    where: dict
+    run_ref: object = None
+    take_ref: object = None
+    status: str = "alive"
+    error: str | None = None
+    final: dict | None = None  # what `run` returned
+    failure: KvbenchError | None = None  # why `run` raised, as the single client would have
+
+
+def run_distributed(
+    backend,
+    backend_name: str,
+    backend_options: dict,
+    table: pa.Table,
+    meta,
+    run_dir: Path,
+    summary: dict,
+    warmup: float,
+    progress=None,
+    resume: bool = False,
+    workers: int = 2,
+    ray_address: str = "",
+) -> None:
+    """`run_live` with the load spread over `workers` Ray actors; fills `summary` the same way (plus `workers`
+    and `distributed`) and re-raises KeyboardInterrupt after recording."""
+    ray = _ray()
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        _init_ray(ray, ray_address, workers)
+    n = request_count(table, backend.pacing)
+    kept = previous_outcomes(run_dir, table, resume)
+    outcomes = [kept.get(i) or Outcome(row=i) for i in range(n)]
+    todo = np.array([i for i in range(n) if i not in kept], dtype=np.int64)
+    rows = table.take(pa.array(todo))
+    offsets = schedule_offsets(rows, backend.pacing)  # the single client's schedule, split below
+    # warm-up: the first requests of the whole schedule, wherever they run
+    warm = set(todo[np.lexsort((todo, offsets))[: backend.pacing.warmup_requests]].tolist())
+    shards = [s for s in shard_sessions(rows, workers) if s.rows]
+    results = IncrementalResults(run_dir / "requests.parquet", table, meta.block_size, kept)
+    pool: list[_Worker] = []
+    reported: set[int] = set()
+    interrupted = False
+    try:
+        pool = _start_workers(
+            ray, backend_name, backend_options, rows, meta, offsets, shards, resumed_clock(kept), run_dir.name
+        )
+        for w in pool:  # shard rows -> trace rows
+            w.shard.rows = todo[w.shard.rows].tolist()
+        start_wall = time.time() + START_MARGIN_S
+        summary["distributed"] = {
+            "executor": "ray",
+            "ray_address": ray_address or "local",
+            "workers": workers,
+            "start_utc": _dt.datetime.fromtimestamp(start_wall, _dt.UTC).isoformat(timespec="milliseconds"),
+            "start_margin_s": START_MARGIN_S,
+        }
+        for w in pool:
+            w.run_ref = w.handle.run.remote(start_wall)
+
+        def accept(w: _Worker, batch: list[Outcome]) -> None:
+            for o in batch:  # every outcome is stored before `progress` (which may raise Ctrl-C) sees any
+                o.row = w.shard.rows[o.row]
+                o.warmup = o.row in warm and o.sent_s == o.sent_s
+                outcomes[o.row] = o
+                reported.add(o.row)
+                results.add(o)
+            for o in batch:
+                if progress is not None:
+                    progress(o)
+
+        try:
+            _collect(ray, pool, accept, wait=None)
+        except KeyboardInterrupt:
+            interrupted = True
+            for w in pool:
+                if w.status == "alive" and w.final is None:
+                    w.handle.stop.remote()
+            _collect(ray, pool, accept, wait=STOP_WAIT_S)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        for w in pool:
+            ray.kill(w.handle)
+        if started_ray:
+            ray.shutdown()
+        names = unit_names(table.slice(0, n))
+        for w in pool:
+            if w.final is None:  # dead, or silent after a stop: what it did not report is lost
+                if w.status == "alive":
+                    w.status, w.error = "dead", "did not report after the run was interrupted"
+                for r in w.shard.rows:
+                    if r not in reported:  # (a worker that failed to connect sent nothing: they stay not_sent)
+                        outcomes[r].status = "not_sent" if w.failure else "worker_lost"
+                        how = "could not run" if w.failure else "was lost"
+                        outcomes[r].error = f"worker {w.shard.worker} ({w.where['host']}) {how}: {w.error}"
+        results.close(outcomes)
+        finals = [w.final for w in pool if w.final is not None]
+        summary["points"] = [point_summary(backend, table, meta, outcomes, warmup, extra=_merged_extra(finals))]
+        summary["workers"] = [_worker_summary(w, outcomes, names) for w in pool]
+        summary["workers_dead"] = sum(w.status == "dead" for w in pool)
+        summary["interrupted"] = interrupted
+        summary["resumed_requests"] = len(kept)
+    if interrupted:
+        raise KeyboardInterrupt
+    for w in pool:
+        if w.failure is not None:
+            raise KvbenchError(f"worker {w.shard.worker} ({w.where['host']}): {w.failure}")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise KvbenchError("--executor ray needs Ray: pip install 'kvbench[ray]'") from None
+    return ray
+
+
+def _init_ray(ray, address: str, workers: int) -> None:
+    try:
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:  # a local cluster with a CPU for each worker, however few cores this machine has
+            ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise KvbenchError(f"cannot connect to the Ray cluster {address or '(local)'}: {exc}") from None
+
+
+def _start_workers(ray, backend_name, backend_options, rows, meta, offsets, shards, clock_at_start, run_id):
+    from kvbench.live.loadworker import LoadWorker
+
+    remote = ray.remote(num_cpus=1, max_restarts=0)(LoadWorker)
+    # named for `ray list actors` (and tests); unique, as a name is freed only once the actor is gone
+    prefix = f"kvbench-{run_id}-{uuid.uuid4().hex[:6]}"
+    handles = []
+    for s in shards:
+        options = dict(backend_options)
+        if s.worker > 0 and options.get("reset_prefix_cache"):
+            options["reset_prefix_cache"] = False  # once, by worker 0, before the shared start
+        picked = pa.array(s.rows, pa.int64())
+        handle = remote.options(name=f"{prefix}-w{s.worker}", scheduling_strategy="SPREAD").remote(
+            backend_name, options, rows.take(picked), meta, offsets[s.rows], clock_at_start
+        )
+        handles.append(handle)
+    try:
+        where = ray.get([h.where.remote() for h in handles], timeout=PLACE_WAIT_S)
+    except ray.exceptions.GetTimeoutError:
+        for h in handles:
+            ray.kill(h)
+        cpus = ray.cluster_resources().get("CPU", 0)
+        raise KvbenchError(
+            f"{len(handles)} workers (1 CPU each) found no place in {PLACE_WAIT_S:g} s on a cluster "
+            f"of {cpus:g} CPUs; use fewer --workers or a larger cluster"
+        ) from None
+    except ray.exceptions.RayError as exc:
+        for h in handles:
+            ray.kill(h)
+        raise KvbenchError(f"a load worker could not start: {_short(exc)}") from None
+    return [_Worker(s, h, w) for s, h, w in zip(shards, handles, where)]
+
+
+def _collect(ray, pool: list[_Worker], accept, wait: float | None) -> None:
+    """Poll every running worker until all have finished or died (or `wait` seconds passed)."""
+    deadline = None if wait is None else time.monotonic() + wait
+    while True:
+        running = [w for w in pool if w.status == "alive" and w.final is None]
+        if not running or (deadline is not None and time.monotonic() > deadline):
+            return
+        ray.wait([w.run_ref for w in running], num_returns=1, timeout=POLL_S)  # woken early when one ends
+        for w in running:
+            if w.take_ref is None:
+                w.take_ref = w.handle.take.remote()
+        ray.wait([w.take_ref for w in running], num_returns=len(running), timeout=POLL_S)
+        for w in running:
+            ended = _ready(ray, w.run_ref)
+            # a batch taken before the run ended holds outcomes the run's own answer does not
+            if ended or _ready(ray, w.take_ref):
+                try:
+                    batch = ray.get(w.take_ref, timeout=STOP_WAIT_S)
+                    w.take_ref = None
+                    accept(w, batch)
+                except ray.exceptions.ActorUnavailableError:
+                    w.take_ref = None  # unreachable for now: asked again next round
+                except ray.exceptions.RayError as exc:
+                    w.take_ref = None
+                    w.status, w.error = "dead", _short(exc)
+                    continue
+            if ended:
+                try:
+                    final = ray.get(w.run_ref)
+                except ray.exceptions.RayError as exc:
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, KvbenchError):  # the worker could not run (server unreachable…)
+                        w.status, w.error, w.failure = "dead", str(cause), cause
+                    else:
+                        w.status, w.error = "dead", _short(exc)
+                    continue
+                w.final = final
+                accept(w, final.pop("rest"))
+
+
+def _ready(ray, ref) -> bool:
+    return ref is not None and bool(ray.wait([ref], timeout=0)[0])
+
+
+def _short(exc: BaseException) -> str:
+    """Ray's multi-line error, as its first and last lines (what failed, and why: killed, node lost…)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+
+
+def _merged_extra(finals: list[dict]) -> dict | None:
+    """One backend `extra()` for the run: server counters from the earliest scrape before the start and the
+    latest after the end (each worker scraped around its own part); model and the rest from worker 0."""
+    if not finals:
+        return {}
+    first = min(finals, key=lambda f: f["connected_at_s"])
+    last = max(finals, key=lambda f: f["finished_at_s"])
+    extra = dict(finals[0]["extra"])
+    if "server" in extra:
+        extra["server"] = {
+            **first["extra"]["server"],
+            "counters_before": first["extra"]["server"].get("counters_before"),
+            "counters_after": last["extra"]["server"].get("counters_after"),
+        }
+    return extra
+
+
+def _worker_summary(w: _Worker, outcomes: list[Outcome], names: list[str]) -> dict:
+    mine = [outcomes[r] for r in w.shard.rows]
+    cols = per_request(mine)
+    sent = np.isfinite(cols["actual_send_s"])
+    lag = cols["schedule_lag_s"][sent] * 1000.0
+    unfinished = [o.row for o in mine if o.status not in DONE]
+    return {
+        "id": w.shard.worker,
+        "host": w.where["host"],
+        "node": w.where["node"],
+        "pid": w.where["pid"],
+        "status": w.status,
+        "error": w.error,
+        "sessions": len(w.shard.units),
+        "requests": len(mine),
+        "ok": int(cols["ok"].sum()),
+        "failed": int((sent & ~cols["ok"]).sum()),
+        "schedule_lag": {
+            "p50_ms": float(np.percentile(lag, 50)) if lag.size else None,
+            "p99_ms": float(np.percentile(lag, 99)) if lag.size else None,
+            "max_ms": float(lag.max()) if lag.size else None,
+        },
+        "start_late_ms": max(0.0, w.final["connected_at_s"] * 1000.0) if w.final else None,
+        "unfinished_requests": len(unfinished),
+        "unfinished_sessions": list(dict.fromkeys(names[r] for r in unfinished)),
+        "session_ids": w.shard.units,
+    }

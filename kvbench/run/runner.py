@@ -1,0 +1,291 @@
+"""The replay runner: trace in, run directory out. It owns validation, result collection and outputs;
+the backend (found by entry point) only answers requests."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvbench import __version__
+from kvbench.errors import KvbenchError
+from kvbench.live.distributed import check_executor, run_distributed
+from kvbench.live.replay import run_live
+from kvbench.redact import redact, redact_text
+from kvbench.run.backend import OfflineBackend, OnlineBackend, PointResult, StreamedPoint, StreamingBackend, protocol_of
+from kvbench.run.metrics import MetricSums
+from kvbench.run.plugins import load_backend
+from kvbench.run.results import WRITE_ROWS, ResultWriter
+from kvbench.run.rundir import RunDir, stamp
+from kvbench.trace.files import TraceMeta
+from kvbench.trace.scan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
+from kvbench.trace.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
+from kvbench.trace.validation import read_valid_trace
+
+DEFAULT_REPORTS = Path("reports")
+
+
+def new_run_id(backend: str, trace_path: Path) -> str:
+    """The default run name; `RunDir.claim` adds a suffix when another run took it in the same second."""
+    return f"{stamp()}-{backend}-{trace_path.stem}"
+
+
+def _environment() -> dict:
+    return {"python": sys.version.split()[0], "platform": platform.platform(), "machine": platform.machine()}
+
+
+class _Trace(NamedTuple):
+    """A trace opened for a replay: read whole (`table`, `n_blocks`) or scanned for streaming (`scanned`)."""
+
+    meta: TraceMeta
+    facts: dict  # for the summary: fingerprint, requests, block_references
+    infinite_cache: dict  # hit rates of an unbounded cache (`stats.hit_rates`)
+    table: pa.Table | None = None
+    n_blocks: np.ndarray | None = None  # int64[n] blocks per request, with `table`
+    scanned: ScannedTrace | None = None
+
+
+def _open_trace(trace_path: Path, stream: bool | None, warmup: float) -> _Trace:
+    """A trace over STREAM_BLOCK_REFS block references (or any, with stream=True) is scanned, to be read
+    again chunk by chunk; otherwise it is read whole, which is faster."""
+    if stream is None:
+        stream = block_references(trace_path) > STREAM_BLOCK_REFS
+    if stream:
+        s = scan_trace(trace_path, warmup=warmup)
+        facts = {"fingerprint": s.fingerprint, "requests": s.n_requests, "block_references": s.block_references}
+        return _Trace(s.meta, facts, s.infinite_cache, scanned=s)
+    table, meta = read_valid_trace(trace_path)
+    n_blocks = pc.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
+    hits = infinite_cache_hits(table.column("block_hashes"))
+    input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
+    facts = {
+        "fingerprint": trace_fingerprint(table),
+        "requests": table.num_rows,
+        "block_references": int(n_blocks.sum()),
+    }
+    return _Trace(meta, facts, hit_rates(hits, n_blocks, input_tokens, meta.block_size, warmup), table, n_blocks)
+
+
+def _whole_answers(point: PointResult, trace: _Trace) -> Iterator[tuple]:
+    """(rows, their block counts, their answers) of a point answered at once, slice by slice: results are
+    written and summed the same way as a streamed point's (and their rows built a slice at a time)."""
+    for start in range(0, trace.table.num_rows, WRITE_ROWS):
+        stop = min(start + WRITE_ROWS, trace.table.num_rows)
+        answers = {k: v[start:stop] for k, v in point.columns.items()}
+        yield trace.table.slice(start, stop - start), trace.n_blocks[start:stop], answers
+
+
+def _streamed_answers(point: StreamedPoint, trace: _Trace) -> Iterator[tuple]:
+    """(rows, their block counts, their answers) of a streamed point, the trace read chunk by chunk."""
+    for chunk in trace.scanned.chunks():
+        n_blocks = pc.list_value_length(chunk.column("block_hashes")).to_numpy(zero_copy_only=False)
+        yield chunk, n_blocks, point.answer(chunk)
+
+
+def run_replay(
+    trace_path,
+    backend_name: str,
+    backend_options: dict,
+    out: Path | None = None,
+    warmup: float = DEFAULT_WARMUP,
+    command: str | None = None,
+    progress=None,
+    report: bool = True,
+    stream: bool | None = None,
+    resume: bool = False,
+    workers: int = 1,
+    executor: str = "local",
+    ray_address: str = "",
+    overwrite: bool = False,
+    force: bool = False,
+):
+    """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
+    are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
+    `stream`: replay in bounded memory, the trace read by row group (None: when the trace is large).
+    `resume` (live backends): continue the interrupted run in `out`, sending only what it did not answer.
+    `workers`, `executor`, `ray_address` (live backends): spread the load over Ray actors (`distributed`).
+    Every option is checked before the run directory is claimed (`rundir`): an existing `out` is refused unless
+    `resume` or `overwrite`; `force` lets --resume go on with pacing options that differ from the first run's.
+    A run that fails before it measured anything leaves no directory behind."""
+    trace_path = Path(trace_path)
+    try:
+        backend_cls = load_backend(backend_name)
+    except KeyError as exc:
+        raise KvbenchError(exc.args[0]) from None
+    protocol = protocol_of(backend_cls, backend_name)  # load_backend checked that it declares one
+    backend = backend_cls(**backend_options)
+    online = protocol is OnlineBackend
+    check_executor(workers, executor, online, ray_address)
+    if resume and not (online and out):
+        raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
+    trace = _open_trace(trace_path, False if online else stream, warmup)
+    if trace.scanned is not None and protocol is not StreamingBackend:
+        raise KvbenchError(
+            f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
+            "replay it with --no-stream, or cut the trace shorter"
+        )
+    config = redact({**backend.config(), "warmup": warmup})
+    if resume:
+        _check_resumable(Path(out), config, force)
+    claimed = RunDir.claim(
+        out, DEFAULT_REPORTS / new_run_id(backend_name, trace_path), resume=resume, overwrite=overwrite
+    )
+    run_dir = claimed.path
+    summary = {
+        "kvbench_version": __version__,
+        "run_id": run_dir.name,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": redact_text(command) if command else command,
+        "environment": _environment(),
+        "trace": {
+            "path": str(trace_path),
+            **trace.facts,
+            "streamed": trace.scanned is not None,
+            "block_size": trace.meta.block_size,
+            "source": trace.meta.source,
+        },
+        "backend": backend_name,
+        "config": config,
+        "infinite_cache": trace.infinite_cache,
+        "points": [],
+        "curves": [],
+        "complete": False,
+    }
+    try:
+        if online:
+            _run_online(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
+                        resume, workers, executor, ray_address)  # fmt: skip
+        else:
+            _run_offline(backend, trace, run_dir, summary, warmup, progress, report)
+        return run_dir, summary
+    except Exception:
+        if not _measured(summary):
+            claimed.discard()
+        raise
+
+
+def _measured(summary: dict) -> bool:
+    """Whether a run got far enough to keep: an offline point finished, or a live request was sent."""
+    for point in summary["points"]:
+        requests = (point.get("latency") or {}).get("requests")
+        if requests is None or requests["sent"] > 0:
+            return True
+    return False
+
+
+def _check_resumable(out: Path, config: dict, force: bool) -> None:
+    """--resume goes on only with the pacing the interrupted run used (else its requests would mix two
+    schedules), unless forced."""
+    try:
+        before = json.loads((out / "summary.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        return  # RunDir.claim says what is missing
+    was, now = before.get("pacing") or {}, config.get("pacing") or {}
+    changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    if changed and not force:
+        diffs = "; ".join(f"{k}: {was.get(k)!r} then, {now.get(k)!r} now" for k in changed)
+        raise KvbenchError(
+            f"--resume {out}: pacing options differ from the interrupted run's ({diffs}); resume with the same "
+            "options, or add --force to mix the two schedules"
+        )
+
+
+def _run_online(backend: OnlineBackend, backend_name, backend_options, trace, run_dir, summary, warmup, progress,
+                report, resume, workers, executor, ray_address) -> None:  # fmt: skip
+    """The online protocol: requests sent one at a time by the dispatcher, in this process or Ray workers."""
+    _write_summary(run_dir, summary)
+    try:
+        if executor == "ray":
+            run_distributed(
+                backend,
+                backend_name,
+                backend_options,
+                trace.table,
+                trace.meta,
+                run_dir,
+                summary,
+                warmup,
+                progress,
+                resume=resume,
+                workers=workers,
+                ray_address=ray_address,
+            )
+        else:
+            run_live(backend, trace.table, trace.meta, run_dir, summary, warmup, progress, resume=resume)
+        summary["complete"] = True
+    except KeyboardInterrupt:
+        summary["interrupted"] = True
+    finally:
+        _finish(run_dir, summary, report, trace.table)
+
+
+def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progress, report) -> None:
+    """The offline protocols: whole points (`replay`), or streamed ones (`StreamingBackend.replay_stream`) when
+    the trace was scanned to be read chunk by chunk. `progress` gets each backend's `Progress` and each point."""
+    meta, scanned = trace.meta, trace.scanned
+    _write_summary(run_dir, summary)
+    writer = ResultWriter(run_dir / "requests.parquet")
+    try:
+        if scanned is None:
+            points = backend.replay(trace.table, meta, progress=progress)
+        else:
+            points = backend.replay_stream(scanned, progress=progress)
+        for point in points:
+            if scanned is not None or "hit_blocks" in point.columns:
+                # one chunk of answers at a time, written and summed, then dropped: a streamed point keeps
+                # nothing per request
+                metrics = MetricSums(trace.facts["requests"], meta.block_size, warmup)
+                answered = _whole_answers if scanned is None else _streamed_answers
+                for rows, n_blocks, answers in answered(point, trace):
+                    writer.write(rows, PointResult(point.labels, answers))
+                    metrics.add(rows, n_blocks, answers["hit_blocks"], answers.get("evictions"))
+                if scanned is not None:
+                    point = PointResult(point.labels, extra=point.finish())
+                totals = metrics.result(point.extra.pop("evict_matrix", None), point.extra.pop("tenant_names", None))
+                summary["points"].append({"name": point.name, **point.labels, **totals, **point.extra})
+            if "curve" in point.extra:
+                summary["curves"].append({**point.labels, **point.extra["curve"]})
+            _write_summary(run_dir, summary)
+            if progress is not None:
+                progress(point)
+        summary["complete"] = True
+    except KeyboardInterrupt:
+        summary["interrupted"] = True
+    finally:
+        writer.close()
+        _finish(run_dir, summary, report, trace.table if scanned is None else None)
+
+
+def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:
+    if len(summary["points"]) == 1:  # a single point's metrics are also the run's top-level keys
+        only = summary["points"][0]
+        for key in ("hit_rate", "evictions", "fairness", "by_tenant", "by_workload", "by_modality", "latency"):
+            if key in only:
+                summary[key] = only[key]
+    _write_summary(run_dir, summary)
+    if report:
+        from kvbench.report import write_reports
+
+        write_reports(run_dir, summary, trace)
+
+
+def _write_summary(run_dir: Path, summary: dict) -> None:
+    tmp = run_dir / "summary.json.partial"
+    tmp.write_text(json.dumps(summary, indent=2, default=_json_default))
+    tmp.replace(run_dir / "summary.json")
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
