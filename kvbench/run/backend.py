@@ -22,8 +22,8 @@ path per protocol (it never probes for methods):
 Callbacks are arguments, never attributes the runner sets: an offline backend whose points take long calls
 the `progress` it is given with a `Progress`.
 
-An offline backend that takes part in `kvbench demo` has a classmethod `demo_options(trace, meta) -> dict`:
-the options (as `kvbench replay` would pass them) of a small, telling grid for that trace.
+Optional: an offline backend that takes part in `kvbench demo` is also a `DemoGrid` (has a classmethod
+`demo_options(trace, meta) -> dict`); the demo asks `issubclass(cls, DemoGrid)`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
 
 import click
 import numpy as np
@@ -150,6 +150,17 @@ class OnlineBackend(Backend, Protocol):
 
     def extra(self) -> dict:
         """After the run: facts for the summary (`server`: counters before and after, `model`)."""
+        ...
+
+
+@runtime_checkable
+class DemoGrid(Protocol):
+    """The optional part of the offline protocols that `kvbench demo` uses: a backend class that has it
+    is replayed by the demo with the grid it gives."""
+
+    @classmethod
+    def demo_options(cls, trace: pa.Table, meta: TraceMeta) -> dict:
+        """The options (as `kvbench replay` would pass them) of a small, telling grid for `trace`."""
         ...
 
 

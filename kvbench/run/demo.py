@@ -1,5 +1,5 @@
 """`kvbench demo`: every workload kind generated, replayed through every offline backend that offers a demo
-grid (the `demo_options` of a backend plug-in), optionally against a live vLLM CPU engine, and one index
+grid (a backend plug-in that is a `DemoGrid`), optionally against a live vLLM CPU engine, and one index
 page that links the runs. Needs no server and no arguments."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvbench.run.backend import DemoGrid
 from kvbench.run.plugins import backend_names, load_backend
 from kvbench.run.runner import run_replay
 from kvbench.trace import generators
@@ -39,8 +40,9 @@ class Demo:
 
 
 def demo_backends() -> list[str]:
-    """Installed backends that offer a demo grid: a new simulator joins the demo by defining demo_options."""
-    return [n for n in backend_names() if hasattr(load_backend(n), "demo_options")]
+    """Installed backends that offer a demo grid: a new simulator joins the demo by being a `DemoGrid` (by
+    defining its classmethod demo_options)."""
+    return [n for n in backend_names() if issubclass(load_backend(n), DemoGrid)]
 
 
 def generate(out: Path, n: int, seed: int, step: Callable[[str], None]) -> dict[str, Path]:
