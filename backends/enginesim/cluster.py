@@ -13,18 +13,15 @@ from collections.abc import Callable
 import numpy as np
 from kvbench.backends.enginesim.engine import Instance, Req
 
-ROUTERS: dict[str, Callable] = {}
+from kvbench.registry import Registry
+
+ROUTERS: Registry[Callable] = Registry(None, "router")  # the routers below register with @router
 TIMELINE_POINTS = 1000  # samples of KV occupancy kept for the report
 AFFINITY_BLOCKS = 4  # prefix-affinity hashes a request's first blocks (a shared system prompt goes one place)
 VIRTUAL_NODES = 64  # per instance on the consistent-hash ring: an even split that moves little when N changes
 
 
-def router(name: str):
-    def wrap(fn):
-        ROUTERS[name] = fn
-        return fn
-
-    return wrap
+router = ROUTERS.register
 
 
 @router("round-robin")
