@@ -9,7 +9,7 @@ Modes:
   the previous turn of its session and its `depends_on` (agent merges). Requests that wait for nothing go
   at their (scaled) trace time.
 
-Every request records its scheduled and its actual send time: the dispatcher sleeps to absolute targets
+Every request records its scheduled and its actual send time: the dispatcher times absolute targets
 (no accumulated drift), and any lag (a slow client, `--max-concurrency`) shows up as schedule lag instead of
 silently stretching the run.
 """
@@ -175,125 +175,209 @@ async def dispatch(
     `schedule_offsets`) and `start_at` (the schedule's zero on that clock, default now) let one shard of a
     distributed run keep its rows' times in the whole trace's schedule. Cancelled, it cancels the requests in
     flight and waits for each to record its cancellation."""
-    n = len(outcomes)
-    if offsets is None:
-        offsets = schedule_offsets(table.slice(0, n), pacing)
-    think = (
-        table.column("think_time_s").fill_null(0.0).to_numpy()[:n].astype(np.float64)
-        if "think_time_s" in table.column_names
-        else np.zeros(n)
-    )
-    loop = asyncio.get_running_loop()
-    gate = asyncio.Semaphore(pacing.max_concurrency) if pacing.max_concurrency else None
-    tasks: set[asyncio.Task] = set()
-    timers: dict[int, asyncio.TimerHandle] = {}
-    sent = 0
-    stop_at = pacing.duration_s
+    await Dispatcher(table, pacing, outcomes, send, on_done, origin, offsets, start_at).run()
 
-    def now() -> float:
-        return time.perf_counter() - origin
 
-    # the schedule starts now (a resumed run's clock goes on from where the previous one stopped)
-    t0 = now() if start_at is None else start_at
+class Dispatcher:
+    """One replay's sending (see `dispatch`). Nothing polls: a row starts from a timer set for its time, or, in
+    mode `sessions`, from the completion of the last request it waits for; when every row has been sent or
+    cut, `all_done` is set and `run` returns. The mode's strategy (`OpenLoop`, `ClosedLoopSessions`) decides
+    when each row is due; the dispatcher starts it, applies --max-concurrency, --duration and the warm-up.
+    `clock` is time.perf_counter unless a test drives the dispatcher on a virtual clock."""
 
-    async def run(i: int) -> None:
-        nonlocal sent
-        o = outcomes[i]
-        if gate is not None:
-            await gate.acquire()
+    def __init__(self, table, pacing, outcomes, send, on_done, origin, offsets=None, start_at=None, clock=None):
+        self.pacing = pacing
+        self.outcomes = outcomes
+        self.send = send
+        self.on_done = on_done
+        self.origin = origin
+        self.clock = clock or time.perf_counter
+        self.rows = table.slice(0, len(outcomes))
+        self.offsets = schedule_offsets(self.rows, pacing) if offsets is None else offsets
+        self.loop = asyncio.get_running_loop()
+        self.gate = asyncio.Semaphore(pacing.max_concurrency) if pacing.max_concurrency else None
+        self.tasks: set[asyncio.Task] = set()
+        self.timers: dict[int, asyncio.TimerHandle] = {}  # rows waiting for their time (mode sessions)
+        self.sent = 0
+        self.remaining = len(outcomes)  # rows neither finished nor cut
+        self.all_done = asyncio.Event()
+        self.error: BaseException | None = None
+        # the schedule starts now (a resumed run's clock goes on from where the previous one stopped)
+        self.t0 = self.now() if start_at is None else start_at
+        self.strategy = (ClosedLoopSessions if pacing.mode == "sessions" else OpenLoop)(self)
+
+    def now(self) -> float:
+        return self.clock() - self.origin
+
+    async def run(self) -> None:
         try:
-            if stop_at is not None and now() > stop_at:
-                return
-            o.warmup = sent < pacing.warmup_requests
-            sent += 1
-            o.sent_s = now()
-            await send(o)
+            if self.remaining:
+                self.strategy.begin()
+                await self.all_done.wait()
+            if self.error is not None:
+                raise self.error
         finally:
-            if gate is not None:
-                gate.release()
-            if o.status != "not_sent":
-                on_done(o)
-            finished(i)
+            await self._stop()
 
-    def start(i: int, at: float, due: bool = False) -> None:
+    def start(self, i: int, at: float, due: bool = False) -> None:
         """Run request i at time `at`: a task now if it is `due`, else a timer that creates it then (tasks are
         never made ahead: making thousands at once stalls the loop and delays the first sends)."""
-        outcomes[i].scheduled_s = at
-        if stop_at is not None and at > stop_at:
-            finished(i)
+        self.outcomes[i].scheduled_s = at
+        if self.pacing.duration_s is not None and at > self.pacing.duration_s:
+            self.finished(i)
             return
-        delay = at - now()
+        delay = at - self.now()
         if delay > 0 and not due:
-            timers[i] = loop.call_later(delay, launch, i)
+            self.timers[i] = self.loop.call_later(delay, self._launch, i)
         else:
-            launch(i)
+            self._launch(i)
 
-    def launch(i: int) -> None:
-        timers.pop(i, None)
-        task = loop.create_task(run(i))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    def finished(self, i: int) -> None:
+        """Row i was answered, failed or cut: the strategy may start what waited for it."""
+        self.remaining -= 1
+        self.strategy.finished(i)
+        if self.remaining == 0:
+            self.all_done.set()
 
-    try:
-        if pacing.mode == "sessions":
-            preds = predecessors(table.slice(0, n))
-            waiting = [len(p) for p in preds]
-            successors: list[list[int]] = [[] for _ in range(n)]
-            for i, p in enumerate(preds):
-                for j in p:
-                    successors[j].append(i)
-            ready = t0 + offsets
-            remaining = n
-            all_done = asyncio.Event()
+    def fail(self, error: BaseException) -> None:
+        """A timer's callback raised: `run` re-raises it instead of waiting forever."""
+        self.error = error
+        self.all_done.set()
 
-            def finished(i: int) -> None:
-                nonlocal remaining
-                remaining -= 1
-                t = now()
-                for s in successors[i]:
-                    waiting[s] -= 1
-                    ready[s] = max(ready[s], t)
-                    if waiting[s] == 0:
-                        start(s, ready[s] + think[s])
-                if remaining == 0:
-                    all_done.set()
+    def _launch(self, i: int) -> None:
+        self.timers.pop(i, None)
+        task = self.loop.create_task(self._request(i))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
-            roots = [i for i in range(n) if not preds[i]]
-            if n:
-                sender = loop.create_task(_send_in_order(roots, ready[roots], start, now))
-                try:
-                    await all_done.wait()
-                finally:
-                    sender.cancel()
-        else:
+    async def _request(self, i: int) -> None:
+        o = self.outcomes[i]
+        if self.gate is not None:
+            await self.gate.acquire()
+        try:
+            if self.pacing.duration_s is not None and self.now() > self.pacing.duration_s:
+                return
+            o.warmup = self.sent < self.pacing.warmup_requests
+            self.sent += 1
+            o.sent_s = self.now()
+            await self.send(o)
+        finally:
+            if self.gate is not None:
+                self.gate.release()
+            try:
+                if o.status != "not_sent":
+                    self.on_done(o)
+            finally:
+                self.finished(i)
 
-            def finished(i: int) -> None:
-                pass
-
-            await _send_in_order(range(n), t0 + offsets, start, now)
-            while tasks or timers:
-                if tasks:
-                    await asyncio.wait(set(tasks))
-                else:
-                    await asyncio.sleep(0.001)
-    finally:
+    async def _stop(self) -> None:
         # Stopped early (cancelled, or an error): no request may start after this returns, and each one in
         # flight records its cancellation before the caller collects the outcomes.
-        for handle in timers.values():
+        self.strategy.cancel()
+        for handle in self.timers.values():
             handle.cancel()
-        timers.clear()
-        for t in tasks:
+        self.timers.clear()
+        for t in self.tasks:
             t.cancel()
-        if tasks:
-            await asyncio.wait(set(tasks))
+        if self.tasks:
+            await asyncio.wait(set(self.tasks))
 
 
-async def _send_in_order(rows, at, start, now) -> None:
-    """Start each row at its time, sleeping to absolute targets (no accumulated drift), and launch it
-    directly, never through a timer: a timer that fires late would let the next row overtake it, and the
-    order of requests is what a cache hit depends on. A burst of rows already due costs no wake-up."""
-    for i, t in zip(rows, at):
-        delay = float(t) - now()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        start(i, float(t), due=True)
+class InOrder:
+    """Starts `rows` at their absolute times `at`, in that order, from one timer at a time (no accumulated
+    drift: each timer aims at an absolute target). A row is launched directly when its timer fires, never
+    from a timer of its own: a timer that fires late would let the next row overtake it, and the order of
+    requests is what a cache hit depends on. A burst of rows already due costs no wake-up."""
+
+    def __init__(self, dispatcher: Dispatcher, rows, at: np.ndarray):
+        self.dispatcher = dispatcher
+        self.rows = list(rows)
+        self.at = at
+        self.next = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def step(self) -> None:
+        """Start every row that is due, then set the timer for the next one."""
+        d = self.dispatcher
+        try:
+            while self.next < len(self.rows):
+                delay = float(self.at[self.next]) - d.now()
+                if delay > 0:
+                    self.timer = d.loop.call_later(delay, self._due)
+                    return
+                self._start_next()
+        except Exception as e:  # a callback's exception would otherwise leave `run` waiting
+            d.fail(e)
+
+    def _due(self) -> None:
+        # the row this timer was set for goes now, even if the loop's clock woke it a hair early
+        self.timer = None
+        try:
+            self._start_next()
+        except Exception as e:
+            self.dispatcher.fail(e)
+            return
+        self.step()
+
+    def _start_next(self) -> None:
+        i, t = self.rows[self.next], float(self.at[self.next])
+        self.next += 1
+        self.dispatcher.start(i, t, due=True)
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class OpenLoop:
+    """Modes `trace` and `rate`: every row at its precomputed time, in trace order, whatever the answers."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.order = InOrder(dispatcher, range(len(dispatcher.outcomes)), dispatcher.t0 + dispatcher.offsets)
+
+    def begin(self) -> None:
+        self.order.step()
+
+    def finished(self, i: int) -> None:
+        pass
+
+    def cancel(self) -> None:
+        self.order.cancel()
+
+
+class ClosedLoopSessions:
+    """Mode `sessions`: rows that wait for nothing go at their (scaled) trace time, in order; any other row
+    goes `think_time_s` after the last of its predecessors (`predecessors`) finished, never before its trace
+    time."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.dispatcher = d = dispatcher
+        n, rows = len(d.outcomes), d.rows
+        preds = predecessors(rows)
+        self.waiting = [len(p) for p in preds]
+        self.successors: list[list[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(preds):
+            for j in p:
+                self.successors[j].append(i)
+        self.think = (
+            rows.column("think_time_s").fill_null(0.0).to_numpy().astype(np.float64)
+            if "think_time_s" in rows.column_names
+            else np.zeros(n)
+        )
+        self.ready = d.t0 + d.offsets  # earliest start of each row, raised as its predecessors finish
+        roots = [i for i in range(n) if not preds[i]]
+        self.roots = InOrder(d, roots, self.ready[roots])
+
+    def begin(self) -> None:
+        self.roots.step()
+
+    def finished(self, i: int) -> None:
+        t = self.dispatcher.now()
+        for s in self.successors[i]:
+            self.waiting[s] -= 1
+            self.ready[s] = max(self.ready[s], t)
+            if self.waiting[s] == 0:
+                self.dispatcher.start(s, self.ready[s] + self.think[s])
+
+    def cancel(self) -> None:
+        self.roots.cancel()
