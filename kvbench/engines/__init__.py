@@ -17,10 +17,12 @@ from __future__ import annotations
 import time
 from types import ModuleType
 
-from kvbench.engines import base, llama_cpp, vllm_cpu
+from kvbench.engines import base
 from kvbench.engines.base import EngineError, EngineInfo, Progress, engine_dir, engines_root
+from kvbench.registry import Registry
 
-ENGINES: dict[str, ModuleType] = {vllm_cpu.NAME: vllm_cpu, llama_cpp.NAME: llama_cpp}
+# Each engine module (vllm_cpu, llama_cpp) registers itself as the engine's spec: settings, provision, command, hint.
+ENGINES: Registry[ModuleType] = Registry(__name__, "engine")
 
 __all__ = [
     "ENGINES",

