@@ -155,84 +155,142 @@ def run_distributed(
     started_ray = not ray.is_initialized()
     if started_ray:
         _init_ray(ray, ray_address, workers)
-    n = request_count(table, backend.pacing)
-    kept = previous_outcomes(run_dir, table, resume)
-    outcomes = [kept.get(i) or Outcome(row=i) for i in range(n)]
-    todo = np.array([i for i in range(n) if i not in kept], dtype=np.int64)
-    rows = table.take(pa.array(todo))
-    offsets = schedule_offsets(rows, backend.pacing)  # the single client's schedule, split below
-    # warm-up: the first requests of the whole schedule, wherever they run
-    warm = set(todo[np.lexsort((todo, offsets))[: backend.pacing.warmup_requests]].tolist())
-    shards = [s for s in shard_sessions(rows, workers) if s.rows]
-    results = IncrementalResults(run_dir / "requests.parquet", table, meta.block_size, kept)
-    pool: list[_Worker] = []
-    reported: set[int] = set()
+    run = _DistributedRun(backend, table, meta, run_dir, resume, workers, progress)
     interrupted = False
     try:
-        pool = _start_workers(
-            ray, backend_name, backend_options, rows, meta, offsets, shards, resumed_clock(kept), run_dir.name
-        )
-        for w in pool:  # shard rows -> trace rows
-            w.shard.rows = todo[w.shard.rows].tolist()
-        start_wall = time.time() + START_MARGIN_S
-        summary["distributed"] = {
-            "executor": "ray",
-            "ray_address": ray_address or "local",
-            "workers": workers,
-            "start_utc": _dt.datetime.fromtimestamp(start_wall, _dt.UTC).isoformat(timespec="milliseconds"),
-            "start_margin_s": START_MARGIN_S,
-        }
-        for w in pool:
-            w.run_ref = w.handle.run.remote(start_wall)
-
-        def accept(w: _Worker, batch: list[Outcome]) -> None:
-            for o in batch:  # every outcome is stored before `progress` (which may raise Ctrl-C) sees any
-                o.row = w.shard.rows[o.row]
-                o.warmup = o.row in warm and o.sent_s == o.sent_s
-                outcomes[o.row] = o
-                reported.add(o.row)
-                results.add(o)
-            for o in batch:
-                if progress is not None:
-                    progress(o)
-
-        try:
-            _collect(ray, pool, accept, wait=None)
-        except KeyboardInterrupt:
-            interrupted = True
-            for w in pool:
-                if w.status == "alive" and w.final is None:
-                    w.handle.stop.remote()
-            _collect(ray, pool, accept, wait=STOP_WAIT_S)
+        summary["distributed"] = run.start_workers(ray, backend_name, backend_options, run_dir.name, ray_address)
+        interrupted = run.collect(ray)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        for w in pool:
+        for w in run.pool:
             ray.kill(w.handle)
         if started_ray:
             ray.shutdown()
-        names = unit_names(table.slice(0, n))
-        for w in pool:
-            if w.final is None:  # dead, or silent after a stop: what it did not report is lost
-                if w.status == "alive":
-                    w.status, w.error = "dead", "did not report after the run was interrupted"
-                for r in w.shard.rows:
-                    if r not in reported:  # (a worker that failed to connect sent nothing: they stay not_sent)
-                        outcomes[r].status = "not_sent" if w.failure else "worker_lost"
-                        how = "could not run" if w.failure else "was lost"
-                        outcomes[r].error = f"worker {w.shard.worker} ({w.where['host']}) {how}: {w.error}"
-        results.close(outcomes)
-        finals = [w.final for w in pool if w.final is not None]
-        summary["points"] = [point_summary(backend, table, meta, outcomes, warmup, extra=_merged_extra(finals))]
-        summary["workers"] = [_worker_summary(w, outcomes, names) for w in pool]
-        summary["workers_dead"] = sum(w.status == "dead" for w in pool)
-        summary["interrupted"] = interrupted
-        summary["resumed_requests"] = len(kept)
+        run.merge(summary, warmup, interrupted)
     if interrupted:
         raise KeyboardInterrupt
-    for w in pool:
+    for w in run.pool:
         if w.failure is not None:
             raise KvbenchError(f"worker {w.shard.worker} ({w.where['host']}): {w.failure}")
+
+
+class _DistributedRun:
+    """One distributed replay, step by step: shard the rows still to send (here), start a worker per shard,
+    collect their outcomes as they come, merge everything into the run's outputs."""
+
+    def __init__(self, backend, table: pa.Table, meta, run_dir: Path, resume: bool, workers: int, progress):
+        self.backend, self.table, self.meta, self.progress = backend, table, meta, progress
+        self.n = request_count(table, backend.pacing)
+        self.kept = previous_outcomes(run_dir, table, resume)
+        self.outcomes = [self.kept.get(i) or Outcome(row=i) for i in range(self.n)]
+        self.todo = np.array([i for i in range(self.n) if i not in self.kept], dtype=np.int64)
+        self.rows = table.take(pa.array(self.todo))
+        self.offsets = schedule_offsets(self.rows, backend.pacing)  # the single client's schedule, split below
+        # warm-up: the first requests of the whole schedule, wherever they run
+        first = np.lexsort((self.todo, self.offsets))[: backend.pacing.warmup_requests]
+        self.warm = set(self.todo[first].tolist())
+        self.workers = workers
+        self.shards = [s for s in shard_sessions(self.rows, workers) if s.rows]
+        self.results = IncrementalResults(run_dir / "requests.parquet", table, meta.block_size, self.kept)
+        self.pool: list[_Worker] = []
+        self.reported: set[int] = set()
+
+    def start_workers(self, ray, backend_name: str, backend_options: dict, run_id: str, ray_address: str) -> dict:
+        """Place a worker per shard, then start them all on one wall-clock instant; returns the summary's
+        `distributed` record."""
+        self.pool = self._place_workers(ray, backend_name, backend_options, run_id)
+        for w in self.pool:  # shard rows -> trace rows
+            w.shard.rows = self.todo[w.shard.rows].tolist()
+        start_wall = time.time() + START_MARGIN_S
+        for w in self.pool:
+            w.run_ref = w.handle.run.remote(start_wall)
+        return {
+            "executor": "ray",
+            "ray_address": ray_address or "local",
+            "workers": self.workers,
+            "start_utc": _dt.datetime.fromtimestamp(start_wall, _dt.UTC).isoformat(timespec="milliseconds"),
+            "start_margin_s": START_MARGIN_S,
+        }
+
+    def _place_workers(self, ray, backend_name: str, backend_options: dict, run_id: str) -> list[_Worker]:
+        """A Ray actor per shard, each given its rows and their offsets; waits until every one has a place."""
+        from kvbench.live.loadworker import LoadWorker
+
+        remote = ray.remote(num_cpus=1, max_restarts=0)(LoadWorker)
+        # named for `ray list actors` (and tests); unique, as a name is freed only once the actor is gone
+        prefix = f"kvbench-{run_id}-{uuid.uuid4().hex[:6]}"
+        handles = []
+        for s in self.shards:
+            options = dict(backend_options)
+            if s.worker > 0 and options.get("reset_prefix_cache"):
+                options["reset_prefix_cache"] = False  # once, by worker 0, before the shared start
+            picked = pa.array(s.rows, pa.int64())
+            handle = remote.options(name=f"{prefix}-w{s.worker}", scheduling_strategy="SPREAD").remote(
+                backend_name, options, self.rows.take(picked), self.meta, self.offsets[s.rows], resumed_clock(self.kept)
+            )
+            handles.append(handle)
+        try:
+            where = ray.get([h.where.remote() for h in handles], timeout=PLACE_WAIT_S)
+        except ray.exceptions.RayError as exc:  # (GetTimeoutError is one)
+            for h in handles:
+                ray.kill(h)
+            if not isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise KvbenchError(f"a load worker could not start: {_short(exc)}") from None
+            cpus = ray.cluster_resources().get("CPU", 0)
+            raise KvbenchError(
+                f"{len(handles)} workers (1 CPU each) found no place in {PLACE_WAIT_S:g} s on a cluster "
+                f"of {cpus:g} CPUs; use fewer --workers or a larger cluster"
+            ) from None
+        return [_Worker(s, h, w) for s, h, w in zip(self.shards, handles, where)]
+
+    def collect(self, ray) -> bool:
+        """Take the workers' outcomes until every worker is done; on Ctrl-C, stop them and take what they
+        cancelled. Returns whether the run was interrupted."""
+        try:
+            _collect(ray, self.pool, self.accept, wait=None)
+            return False
+        except KeyboardInterrupt:
+            for w in self.pool:
+                if w.status == "alive" and w.final is None:
+                    w.handle.stop.remote()
+            _collect(ray, self.pool, self.accept, wait=STOP_WAIT_S)
+            return True
+
+    def accept(self, w: _Worker, batch: list[Outcome]) -> None:
+        for o in batch:  # every outcome is stored before `progress` (which may raise Ctrl-C) sees any
+            o.row = w.shard.rows[o.row]
+            o.warmup = o.row in self.warm and o.sent_s == o.sent_s
+            self.outcomes[o.row] = o
+            self.reported.add(o.row)
+            self.results.add(o)
+        for o in batch:
+            if self.progress is not None:
+                self.progress(o)
+
+    def merge(self, summary: dict, warmup: float, interrupted: bool) -> None:
+        """Record what the lost workers did not report, close requests.parquet and fill the summary."""
+        for w in self.pool:
+            if w.final is None:  # dead, or silent after a stop: what it did not report is lost
+                self._record_lost(w)
+        self.results.close(self.outcomes)
+        finals = [w.final for w in self.pool if w.final is not None]
+        extra = _merged_extra(finals)
+        summary["points"] = [point_summary(self.backend, self.table, self.meta, self.outcomes, warmup, extra=extra)]
+        names = unit_names(self.table.slice(0, self.n))
+        summary["workers"] = [_worker_summary(w, self.outcomes, names) for w in self.pool]
+        summary["workers_dead"] = sum(w.status == "dead" for w in self.pool)
+        summary["interrupted"] = interrupted
+        summary["resumed_requests"] = len(self.kept)
+
+    def _record_lost(self, w: _Worker) -> None:
+        if w.status == "alive":
+            w.status, w.error = "dead", "did not report after the run was interrupted"
+        for r in w.shard.rows:
+            if r not in self.reported:  # (a worker that failed to connect sent nothing: they stay not_sent)
+                self.outcomes[r].status = "not_sent" if w.failure else "worker_lost"
+                how = "could not run" if w.failure else "was lost"
+                self.outcomes[r].error = f"worker {w.shard.worker} ({w.where['host']}) {how}: {w.error}"
 
 
 def _ray():
@@ -251,39 +309,6 @@ def _init_ray(ray, address: str, workers: int) -> None:
             ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise KvbenchError(f"cannot connect to the Ray cluster {address or '(local)'}: {exc}") from None
-
-
-def _start_workers(ray, backend_name, backend_options, rows, meta, offsets, shards, clock_at_start, run_id):
-    from kvbench.live.loadworker import LoadWorker
-
-    remote = ray.remote(num_cpus=1, max_restarts=0)(LoadWorker)
-    # named for `ray list actors` (and tests); unique, as a name is freed only once the actor is gone
-    prefix = f"kvbench-{run_id}-{uuid.uuid4().hex[:6]}"
-    handles = []
-    for s in shards:
-        options = dict(backend_options)
-        if s.worker > 0 and options.get("reset_prefix_cache"):
-            options["reset_prefix_cache"] = False  # once, by worker 0, before the shared start
-        picked = pa.array(s.rows, pa.int64())
-        handle = remote.options(name=f"{prefix}-w{s.worker}", scheduling_strategy="SPREAD").remote(
-            backend_name, options, rows.take(picked), meta, offsets[s.rows], clock_at_start
-        )
-        handles.append(handle)
-    try:
-        where = ray.get([h.where.remote() for h in handles], timeout=PLACE_WAIT_S)
-    except ray.exceptions.GetTimeoutError:
-        for h in handles:
-            ray.kill(h)
-        cpus = ray.cluster_resources().get("CPU", 0)
-        raise KvbenchError(
-            f"{len(handles)} workers (1 CPU each) found no place in {PLACE_WAIT_S:g} s on a cluster "
-            f"of {cpus:g} CPUs; use fewer --workers or a larger cluster"
-        ) from None
-    except ray.exceptions.RayError as exc:
-        for h in handles:
-            ray.kill(h)
-        raise KvbenchError(f"a load worker could not start: {_short(exc)}") from None
-    return [_Worker(s, h, w) for s, h, w in zip(shards, handles, where)]
 
 
 def _collect(ray, pool: list[_Worker], accept, wait: float | None) -> None:
