@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import missing
+
 # Root in a container with no network: no sandbox, no GPU, nothing that phones home.
 CHROMIUM_ARGS = [
     "--headless",
@@ -111,9 +113,7 @@ def require_browser() -> None:
     problem = browser_problem()
     if problem is None:
         return
-    if os.environ.get("KVBENCH_REQUIRE_BROWSER", "") not in ("", "0"):
-        pytest.fail(f"KVBENCH_REQUIRE_BROWSER is set but {problem}")
-    pytest.skip(f"{problem}; the report-rendering tests need a browser")
+    missing("KVBENCH_REQUIRE_BROWSER", f"{problem}; the report-rendering tests need a browser")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,8 @@
+import logging
 import math
 import os
+import socket
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -10,6 +13,8 @@ import pyarrow as pa
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "traces" / "samples"  # the sample traces committed with the repository
+CHAT = SAMPLES / "chat.parquet"
 # Public traces live beside the repository (../shared/traces), or wherever KVBENCH_SHARED points.
 SHARED_TRACES = Path(os.environ.get("KVBENCH_SHARED", REPO.parent / "shared")) / "traces"
 
@@ -52,6 +57,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"stopped the engines this test session started: {line}")
 
 
+def kvbench(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The installed `kvbench` command, as a user runs it: arguments made strings, output captured as text."""
+    return subprocess.run(["kvbench", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def missing(require_env: str, why: str):
+    """Skip the test because something it needs is missing, or fail it when `require_env` is set (CI sets
+    KVBENCH_REQUIRE_ENGINES, so that a missing engine or plug-in is an error there, not a quiet skip)."""
+    if os.environ.get(require_env, "") not in ("", "0"):
+        pytest.fail(f"{require_env} is set but {why}")
+    pytest.skip(why)
+
+
 def shared_trace(relative: str) -> Path:
     path = SHARED_TRACES / relative
     if not path.exists():
@@ -86,3 +111,45 @@ def small_trace():
 @pytest.fixture(scope="session")
 def mooncake_path():
     return shared_trace("mooncake/conversation_trace.jsonl")
+
+
+@pytest.fixture(scope="session")
+def sample_head(tmp_path_factory):
+    """Factory: sample_head(kind="chat", rows=300) -> the first `rows` requests of traces/samples/<kind>.parquet,
+    written once per session by kvbench's own writer (so the block size and source survive; parents come before
+    their children in a sample, so a head validates)."""
+    from kvbench.trace.files import read_trace, write_trace
+
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(kind: str = "chat", rows: int = 300) -> Path:
+        if (kind, rows) not in made:
+            table, meta = read_trace(SAMPLES / f"{kind}.parquet")
+            path = tmp_path_factory.mktemp("samples") / f"{kind}-{rows}.parquet"
+            made[kind, rows] = write_trace(table.slice(0, rows), path, meta)
+        return made[kind, rows]
+
+    return get
+
+
+# --- Ray: one local cluster for the session ------------------------------------------------------------
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs, started once, when the first test asks for it, and shut down at the end of
+    the session; yields the `ray` module. Skips without Ray. kvbench's Ray code (the sweep's ray executor,
+    kvbench.run.executors, and the live workers, kvbench.live.distributed) uses the connection this process
+    already has (`ray.is_initialized()`) and leaves it running; a subprocess joins it with
+    `--ray-address ray_cluster.get_runtime_context().gcs_address`."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvbench[ray]')")
+    if ray.is_initialized():  # connected by someone else: theirs to shut down
+        yield ray
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        # Ray puts the driver's folder on its workers' path: from the repository root they import test modules
+        # (tests/unit/test_sweep_executors.py sends a task class of its own)
+        mp.chdir(REPO)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -15,8 +15,6 @@ try:
 except ImportError:  # the torch extra is optional
     torch = None
 
-REPO = Path(__file__).resolve().parents[2]
-CHAT = REPO / "traces" / "samples" / "chat.parquet"
 NEEDS_CUDA = "needs CUDA; run benchmarks/gpu_check.sh on a GPU machine"
 
 
@@ -35,10 +33,6 @@ def cuda():
 
 
 @pytest.fixture(scope="session")
-def chat200(tmp_path_factory) -> Path:
-    """The first 200 requests of the chat sample, written by kvbench's own writer so that the trace metadata
-    (block size, source) survives; enough requests to fill a small cache and evict from it."""
-    from kvbench.trace.files import read_trace, write_trace
-
-    table, meta = read_trace(CHAT)
-    return write_trace(table.slice(0, 200), tmp_path_factory.mktemp("trace") / "chat200.parquet", meta)
+def chat200(sample_head) -> Path:
+    """The first 200 requests of the chat sample: enough requests to fill a small cache and evict from it."""
+    return sample_head("chat", 200)

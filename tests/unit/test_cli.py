@@ -1,15 +1,12 @@
 """The `kvbench trace` command line, run as a user would (a real subprocess)."""
 
 import json
-import subprocess
 
 import pytest
 
 from kvbench.trace.generators import registry
 
-
-def kvbench(*args, cwd=None):
-    return subprocess.run(["kvbench", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+from ..conftest import kvbench, shared_trace
 
 
 def assert_clean_error(result):
@@ -106,8 +103,6 @@ def test_bad_generator_parameter(tmp_path):
     ],
 )
 def test_import_shared_traces(fmt, relative, options, tmp_path):
-    from ..conftest import shared_trace
-
     out = tmp_path / "t.parquet"
     r = kvbench("trace", "import", fmt, shared_trace(relative), "-o", out, *options)
     assert r.returncode == 0, r.stderr

@@ -35,11 +35,6 @@ def _items(table: pa.Table) -> dict[str, np.ndarray]:
     }
 
 
-def test_registered_with_summary():
-    gen = get("multimodal")
-    assert gen.name == "multimodal" and "image" in gen.summary.lower()
-
-
 def test_table_validates_and_has_the_columns(trace):
     table, meta = trace
     report = validate_table(table, meta.block_size)

@@ -45,11 +45,6 @@ def _tenants_per_id(ids: np.ndarray, tenant_codes: np.ndarray) -> tuple[np.ndarr
     return uniq, counts
 
 
-def test_registered_with_summary():
-    gen = get("multi-tenant")
-    assert gen.name == "multi-tenant" and "tenant" in gen.summary.lower()
-
-
 def test_table_validates_and_has_the_columns(trace):
     table, meta = trace
     report = validate_table(table, meta.block_size)

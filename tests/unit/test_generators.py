@@ -17,6 +17,20 @@ def test_all_five_kinds_and_mix_are_registered():
     assert {"chat", "agent", "multimodal", "reasoning", "multi-tenant", "mix"} <= set(KINDS)
 
 
+def test_every_registered_generator_is_a_gen_command_described_by_its_summary():
+    """What `kvbench trace gen --help` lists is the registry, each kind with its one-line summary."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    listing = CliRunner().invoke(main, ["trace", "gen", "--help"])
+    assert listing.exit_code == 0, listing.output
+    text = " ".join(listing.output.split())  # click wraps the summaries
+    for kind in KINDS:
+        summary = get(kind).summary
+        assert summary and f"{kind} {summary}" in text, kind
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_deterministic_per_seed(kind):
     a, _ = get(kind).run(300, seed=7)

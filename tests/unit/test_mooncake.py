@@ -1,7 +1,6 @@
 """The Mooncake importer and exporter against the FAST'25 conversation trace (docs/semantics.md, Reference figures)."""
 
 import json
-import subprocess
 
 import pytest
 
@@ -11,9 +10,7 @@ from kvbench.trace.files import read_trace
 from kvbench.trace.importers import get
 from kvbench.trace.stats import trace_info
 
-
-def kvbench(*args):
-    return subprocess.run(["kvbench", *map(str, args)], capture_output=True, text=True)
+from ..conftest import REPO, kvbench
 
 
 def test_reference_numbers_through_the_cli(mooncake_path, tmp_path):
@@ -101,8 +98,6 @@ def test_bad_input_names_file_and_line(tmp_path, content, match):
 
 
 def test_committed_parquet_matches_reference_numbers():
-    from ..conftest import REPO
-
     table, meta = read_trace(REPO / "traces/mooncake/conversation_trace.parquet")
     info = trace_info(table, meta.block_size)
     assert (info["requests"], info["blocks"]["references"], info["blocks"]["unique"]) == (12031, 288500, 182790)

@@ -1,7 +1,6 @@
 """`kvbench replay` with the sim backend: run directory, summary keys, reports, errors, interruption."""
 
 import json
-import subprocess
 
 import numpy as np
 import pyarrow as pa
@@ -12,14 +11,9 @@ from kvbench.run.runner import run_replay
 from kvbench.trace.files import new_meta, write_trace
 from kvbench.trace.schema import conform
 
-from ..conftest import REPO
+from ..conftest import CHAT, REPO, kvbench
 
-CHAT = REPO / "traces/samples/chat.parquet"
 TENANTS = REPO / "traces/samples/multi-tenant.parquet"
-
-
-def kvbench(*args):
-    return subprocess.run(["kvbench", *map(str, args)], capture_output=True, text=True)
 
 
 def test_sweep_writes_results_summary_and_reports(tmp_path):

@@ -10,9 +10,8 @@ import subprocess
 from kvbench.report.page import Figure, Links, Section, Table, render_html, render_markdown
 from kvbench.run.runner import run_replay
 
-from ..conftest import REPO
+from ..conftest import SAMPLES
 
-SAMPLES = REPO / "traces/samples"
 MACHINE_PATHS = re.compile(r"(/work/|/tmp/|/root/|/home/)")
 
 

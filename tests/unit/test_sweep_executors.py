@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,17 +76,6 @@ def local_run(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster of 2 CPUs for this module; the sweep's ray executor uses it as it is."""
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'kvbench[ray]')")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(REPO)  # Ray puts the driver's folder on its workers' path: they import FaultyTask from here
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
-
-
 def _same_as_local(out: Path, local: Path) -> None:
     points = _points(out)
     assert {n: p["status"] for n, p in points.items()} == dict.fromkeys(NAMES, "ok")
@@ -113,6 +103,17 @@ def test_ray_executor_matches_local_and_resumes(tmp_path, monkeypatch, local_run
     assert r.exit_code == 0, r.output
     assert {p["status"] for p in _points(tmp_path).values()} == {"skipped"}
     assert mtimes == {n: (tmp_path / n / "summary.json").stat().st_mtime_ns for n in NAMES}
+
+
+def test_ray_executor_joins_a_running_cluster_by_address(tmp_path, local_run, ray_cluster):
+    """`--ray-address` from another process: the sweep joins the session's cluster (it cannot start one at an
+    address), gets the local executor's results, and leaves the cluster running when it disconnects."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    cmd = ["kvbench", "sweep", *map(str, GRID), "--executor", "ray", "--ray-address", address, "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same_as_local(tmp_path, local_run)
+    assert ray_cluster.is_initialized() and ray_cluster.cluster_resources()["CPU"] == 2
 
 
 def _faulty_sweep(monkeypatch, out: Path, faults: dict, executor: str, retries: int, *extra, policies="lru,fifo"):

@@ -10,11 +10,9 @@ import pytest
 
 from kvbench.cache import policies
 from kvbench.run.runner import run_replay
-from kvbench.trace.files import read_trace, write_trace
+from kvbench.trace.files import read_trace
 
-from ...conftest import REPO
-
-SAMPLES = REPO / "traces/samples"
+from ...conftest import SAMPLES
 
 
 def replay(trace, tmp_path, name, **opts):
@@ -23,12 +21,9 @@ def replay(trace, tmp_path, name, **opts):
 
 
 @pytest.fixture(scope="module")
-def short_mt(tmp_path_factory):
+def short_mt(sample_head):
     """600 requests of the multi-tenant sample: tenants and salts, enough prefix sharing."""
-    table, meta = read_trace(SAMPLES / "multi-tenant.parquet")
-    path = tmp_path_factory.mktemp("t") / "mt600.parquet"
-    write_trace(table.slice(0, 600), path, meta)
-    return path
+    return sample_head("multi-tenant", 600)
 
 
 @pytest.mark.parametrize("name", list(policies.registry()))

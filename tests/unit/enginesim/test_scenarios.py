@@ -12,9 +12,7 @@ from kvbench.errors import KvbenchError
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import read_trace
 
-from ...conftest import REPO
-
-SAMPLES = REPO / "traces/samples"
+from ...conftest import SAMPLES
 
 
 def replay(trace, tmp_path, name, **opts):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 import pytest
@@ -11,13 +10,13 @@ from aiohttp import web
 
 from kvbench.live.fakeserver import FakeServer, fault_plan
 
+from ...conftest import free_port  # also imported from here by the tests of this folder
+
 
 class RunningServer:
     def __init__(self, server: FakeServer):
         self.server = server
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -51,9 +50,3 @@ def fake_server():
     yield start
     for s in started:
         s.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -22,10 +22,9 @@ from kvbench.live.fakeserver import FakeServer
 from kvbench.live.replay import FLUSH_SECONDS
 from kvbench.run.results import read_requests, result_files
 
-from ...conftest import REPO
+from ...conftest import CHAT
 from .conftest import RunningServer
 
-CHAT = REPO / "traces/samples/chat.parquet"
 N = 1000  # requests of the trace replayed; at ~50 a second (4 at a time) no run ends before its kills
 CHAINS = 3  # runs killed and resumed side by side
 KILLS = 7  # per run: 21 kills in all

@@ -3,8 +3,6 @@ the merged run is the single client's, sessions stay whole, and a killed worker 
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,14 +52,6 @@ def sessions_trace() -> pa.Table:
         depends_on=[[rid[last[s]] for s in r.get("deps", ())] for r in pick],
         think_time_s=[0.02] * len(pick),
     )
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvbench[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture

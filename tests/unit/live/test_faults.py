@@ -12,10 +12,9 @@ from kvbench.errors import KvbenchError
 from kvbench.live.latency import error_class
 from kvbench.run.runner import run_replay
 
-from ...conftest import REPO
+from ...conftest import CHAT
 from .conftest import free_port
 
-CHAT = REPO / "traces/samples/chat.parquet"
 N = 40
 
 

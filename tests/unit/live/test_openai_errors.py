@@ -13,9 +13,8 @@ from kvbench.live.latency import error_class
 from kvbench.redact import MASK
 from kvbench.run.runner import run_replay
 
-from ...conftest import REPO
+from ...conftest import CHAT
 
-CHAT = REPO / "traces/samples/chat.parquet"
 N = 8
 
 

@@ -17,9 +17,7 @@ from kvbench.live.pacing import Outcome, Pacing, dispatch, open_loop_offsets, pr
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import new_meta, write_trace
 
-from ...conftest import REPO, make_trace
-
-CHAT = REPO / "traces/samples/chat.parquet"
+from ...conftest import CHAT, make_trace
 
 
 def test_trace_mode_scales_timestamps():

@@ -13,9 +13,8 @@ from kvbench.live.prompts import RESERVED_TOKENS, prompt_tokens, rebase_blocks, 
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import read_trace
 
-from ...conftest import REPO
+from ...conftest import CHAT, REPO
 
-CHAT = REPO / "traces/samples/chat.parquet"
 MM = REPO / "traces/samples/multimodal.parquet"
 
 

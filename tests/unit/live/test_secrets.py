@@ -16,11 +16,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from ...conftest import REPO
+from ...conftest import CHAT, REPO
 from .conftest import free_port
 
 SECRETS = ("SECRET1xq", "SECRET2xq", "SECRET3xq", "SECRET4xq")
-CHAT = REPO / "traces/samples/chat.parquet"
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ def _point(table, name):
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_hits_and_evictions_equal_the_sim_backend(small_trace, tmp_path, policy):
-    trace = small_trace("chat", 300)
+def test_hits_and_evictions_equal_the_sim_backend(sample_head, tmp_path, policy):
+    trace = sample_head("chat", 300)
     caps = "400,1500"
     _, sim = _replay(trace, "sim", tmp_path / "sim", policy=policy, capacity=caps, bound=False)
     # tiers below HBM change nothing the HBM policy sees
@@ -39,8 +39,8 @@ def test_hits_and_evictions_equal_the_sim_backend(small_trace, tmp_path, policy)
         assert a["evictions"].sum() > 0  # the capacities are small enough to evict
 
 
-def test_tenant_quota_equals_the_sim_backend(small_trace, tmp_path):
-    trace = small_trace("multi-tenant", 300)
+def test_tenant_quota_equals_the_sim_backend(sample_head, tmp_path):
+    trace = sample_head("multi-tenant", 300)
     opts = dict(policy="tenant-quota", capacity="800", quota="*=0.3")
     _, sim = _replay(trace, "sim", tmp_path / "sim", bound=False, **opts)
     _, tk = _replay(trace, "torch", tmp_path / "torch", **opts)
@@ -50,10 +50,10 @@ def test_tenant_quota_equals_the_sim_backend(small_trace, tmp_path):
 
 @pytest.mark.parametrize("write_through", [False, True])
 @pytest.mark.parametrize("mode", ["block", "coalesced", "staged"])
-def test_tiers_return_every_block_intact(small_trace, tmp_path, write_through, mode):
+def test_tiers_return_every_block_intact(sample_head, tmp_path, write_through, mode):
     """Tiny HBM, DRAM and disk: blocks go down and come back all the time; every load is checksummed."""
     summary, table = _replay(
-        small_trace("chat", 300),
+        sample_head("chat", 300),
         "torch",
         tmp_path,
         capacity="300",
@@ -76,10 +76,10 @@ def test_tiers_return_every_block_intact(small_trace, tmp_path, write_through, m
     assert list(tmp_path.glob("kvbench-ssd-*.kv")) == []  # the disk tier's file is removed at the end
 
 
-def test_write_through_writes_more_than_write_back(small_trace, tmp_path):
+def test_write_through_writes_more_than_write_back(sample_head, tmp_path):
     written = {}
     for wt in (False, True):
-        summary, _ = _replay(small_trace("chat", 300), "torch", tmp_path / str(wt), capacity="300",
+        summary, _ = _replay(sample_head("chat", 300), "torch", tmp_path / str(wt), capacity="300",
                              host_capacity="5000", write_through=wt)  # fmt: skip
         facts = summary["points"][0]["torch"]
         written[wt] = facts["blocks"]["written"]["dram"]
@@ -87,18 +87,18 @@ def test_write_through_writes_more_than_write_back(small_trace, tmp_path):
     assert written[True] > written[False] > 0
 
 
-def test_a_request_never_finds_below_hbm_what_it_evicted_itself(small_trace, tmp_path):
+def test_a_request_never_finds_below_hbm_what_it_evicted_itself(sample_head, tmp_path):
     """With a cache smaller than one prompt, a request pushes its own first blocks down to DRAM; finding them
     there would count blocks never computed as hits."""
-    _, table = _replay(small_trace("chat", 40), "torch", tmp_path, capacity="8", host_capacity="100000", verify=True)
+    _, table = _replay(sample_head("chat", 40), "torch", tmp_path, capacity="8", host_capacity="100000", verify=True)
     rows = _point(table, "lru/8")
     assert rows["input_tokens"][0] > 8 * 64  # longer than the whole HBM pool
     assert rows["hit_tokens"][0] == 0  # the very first request can hit nothing anywhere
 
 
-def test_compute_skips_the_cached_prefix(small_trace, tmp_path):
+def test_compute_skips_the_cached_prefix(sample_head, tmp_path):
     """Measured TTFT falls with the hit rate because cached tokens are not computed: counted, not timed."""
-    trace = small_trace("chat", 60)
+    trace = sample_head("chat", 60)
     computed = {}
     for cap in ("100", "100000"):
         summary, table = _replay(trace, "torch", tmp_path / cap, capacity=cap, compute=True, decode_steps="2")
@@ -114,16 +114,16 @@ def test_compute_skips_the_cached_prefix(small_trace, tmp_path):
     assert computed["100000"] < computed["100"]
 
 
-def test_every_decode_step_timed_gives_itls(small_trace, tmp_path):
-    _, table = _replay(small_trace("chat", 5), "torch", tmp_path, capacity="1000", compute=True, decode_steps="all")
+def test_every_decode_step_timed_gives_itls(sample_head, tmp_path):
+    _, table = _replay(sample_head("chat", 5), "torch", tmp_path, capacity="1000", compute=True, decode_steps="all")
     rows = _point(table, "lru/1000")
     for n_out, itl in zip(rows["output_tokens"], rows["itl_s"]):
         assert len(itl) == n_out - 1
 
 
-def test_cli_replay_and_errors(small_trace, tmp_path):
+def test_cli_replay_and_errors(sample_head, tmp_path):
     runner = CliRunner()
-    trace = str(small_trace("chat", 50))
+    trace = str(sample_head("chat", 50))
     out = tmp_path / "run"
     res = runner.invoke(main, ["replay", trace, "--backend", "torch", "--capacity", "2MiB", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -138,10 +138,10 @@ def test_cli_replay_and_errors(small_trace, tmp_path):
         assert flag in help_text
 
 
-def test_computed_kv_survives_the_tiers(small_trace, tmp_path):
+def test_computed_kv_survives_the_tiers(sample_head, tmp_path):
     """Compute on: the KV a prefill wrote goes down to DRAM and disk and comes back bit for bit."""
     summary, table = _replay(
-        small_trace("chat", 80),
+        sample_head("chat", 80),
         "torch",
         tmp_path,
         model="kvbench-micro",
