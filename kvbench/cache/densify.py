@@ -39,7 +39,7 @@ def scratch(name: str, size: int, dtype) -> np.ndarray:
 
 
 @kernel_fn()
-def _mix64(x):
+def mix64(x):
     # splitmix64 finaliser spreads clustered source ids (e.g. 0, 1, 2 ...) over the table
     z = x + np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -56,7 +56,7 @@ def _rehash(slots, size, uniq, n_keys):
     slots[:size] = -1
     mask = np.uint64(size - 1)
     for v in range(n_keys):
-        h = _mix64(uniq[v]) & mask
+        h = mix64(uniq[v]) & mask
         while slots[h] != -1:
             h = (h + np.uint64(1)) & mask
         slots[h] = v
@@ -88,7 +88,7 @@ def _densify(ids, offsets, slots):
         prev = np.int32(-1)
         for j in range(lo, hi):
             x = ids[j]
-            h = _mix64(x) & mask
+            h = mix64(x) & mask
             while True:
                 v = slots[h]
                 if v == -1:

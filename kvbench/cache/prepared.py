@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbench.cache.densify import densify
+from kvbench.cache.densify import densify, next_request_use
 from kvbench.run.metrics import NO_LABEL
 from kvbench.trace.blockhash import mix, name_key
 from kvbench.trace.schema import DEFAULT_PRIORITY
@@ -60,8 +60,6 @@ class PreparedTrace:
         """int32[m]: index of the next request that references the same key after this reference's request
         (n_requests + 1 when never), the future knowledge Belady needs. Computed once, on demand."""
         if self._next_use is None:
-            from kvbench.cache.densify import next_request_use
-
             self._next_use = next_request_use(self.keys, self.offsets, self.n_keys)
         return self._next_use
 
@@ -122,7 +120,7 @@ def prepare_requests(
     input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
     # vLLM recomputes at least the last prompt token, so a hit never covers the whole prompt.
     max_hit = np.minimum(n_blocks, (input_tokens - 1) // block_size) if vllm_cap else n_blocks
-    tenant, names = _tenant_codes(table, tenant_names)
+    tenant, names = tenant_codes(table, tenant_names)
     prio_col = table.column("priority") if "priority" in table.column_names else None
     priority = (
         prio_col.fill_null(DEFAULT_PRIORITY).to_numpy().astype(np.int8)
@@ -144,7 +142,7 @@ def prepare_requests(
     )
 
 
-def _tenant_codes(table: pa.Table, names: list[str] | None) -> tuple[np.ndarray, list[str]]:
+def tenant_codes(table: pa.Table, names: list[str] | None) -> tuple[np.ndarray, list[str]]:
     """Tenant index of each request, and the names indexed ("(none)" for a null), in order of appearance."""
     col = _column_or_none(table, "tenant")
     if col is None:  # (in a chunk, "(none)" need not be the trace's first tenant)
@@ -156,3 +154,6 @@ def _tenant_codes(table: pa.Table, names: list[str] | None) -> tuple[np.ndarray,
         return codes, encoded.dictionary.to_pylist()
     index = {name: i for i, name in enumerate(names)}
     return np.array([index[v] for v in encoded.dictionary.to_pylist()], np.int32)[codes], names
+
+
+_tenant_codes = tenant_codes  # the old name, still imported by backends/sim/__init__.py (to be switched)

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.cache.compiled import kernel_fn
-from kvbench.cache.densify import _mix64
+from kvbench.cache.densify import mix64
 from kvbench.cache.policies import FILLED_AT, Carry, SimOutput
 from kvbench.cache.prepared import PreparedTrace, fold_isolation, prepare_requests
 
@@ -31,7 +31,7 @@ def _assign_ids(hashes, slots, block_of, free, in_use, counters):
     n_free = counters[_FREE]
     for j in range(hashes.size):
         x = hashes[j]
-        h = _mix64(x) & mask
+        h = mix64(x) & mask
         while True:
             v = slots[h]
             if v == -1:
@@ -64,7 +64,7 @@ def _release(slots, block_of, free, in_use, cached, counters):
             free[n_free] = v
             n_free += 1
             continue
-        h = _mix64(block_of[v]) & mask
+        h = mix64(block_of[v]) & mask
         while slots[h] != -1:
             h = (h + np.uint64(1)) & mask
         slots[h] = v

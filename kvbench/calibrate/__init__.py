@@ -47,11 +47,9 @@ from kvbench.calibrate.measurement import (
     DECODE_ATTEMPTS,
     MIN_WINDOW_STEPS,
     WARMUP_REQUESTS,
+    decode_step,
     measure,
     measure_async,
-)
-from kvbench.calibrate.measurement import (
-    _decode_step as _decode_step,  # private, but tests/unit/test_calibrate.py tests it directly
 )
 from kvbench.calibrate.plan import (
     DEFAULT_BATCH_SIZES,
@@ -99,6 +97,7 @@ __all__ = [
     "Progress",
     "Result",
     "decode_row",
+    "decode_step",
     "fit",
     "fit_terms",
     "host_port",

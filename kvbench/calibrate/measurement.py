@@ -61,7 +61,7 @@ def _prefill_points(samples: dict, reported: dict) -> list[PrefillPoint]:
     return sorted(points, key=lambda q: (q.cached_tokens, q.new_tokens))
 
 
-def _decode_step(outcomes, prompt_tokens: int) -> tuple[float, float, int] | None:
+def decode_step(outcomes, prompt_tokens: int) -> tuple[float, float, int] | None:
     """(step seconds, batch KV tokens mid-window, steps in the window) of a batch decoding together, or None when
     it never ran all at once."""
     start = max(o.chunk_s[0] for o in outcomes)  # every sequence has its first token
@@ -101,7 +101,7 @@ async def _decode_sample(meter: Meter, plan: Plan, batch: int, context: int, war
     out = plan.decode_tokens + math.ceil(batch * context / 1024)
     for _attempt in range(DECODE_ATTEMPTS):  # other traffic on the server can split a batch once
         outs = await asyncio.gather(*(meter.send(meter.prompts(context), out) for _ in range(batch)))
-        got = _decode_step(outs, context)
+        got = decode_step(outs, context)
         if got is not None:
             return got
     warnings.append(

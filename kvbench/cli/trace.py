@@ -14,8 +14,8 @@ from kvbench.errors import KvbenchError
 from kvbench.trace import generators, importers
 from kvbench.trace.export import EXPORTERS
 from kvbench.trace.files import read_meta, write_trace
-from kvbench.trace.scan import validate_file
-from kvbench.trace.stats import DEFAULT_WARMUP, trace_info_file
+from kvbench.trace.scan import trace_info_file, validate_file
+from kvbench.trace.stats import DEFAULT_WARMUP
 from kvbench.trace.validation import check, read_valid_trace
 
 

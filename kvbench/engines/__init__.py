@@ -95,7 +95,7 @@ def up(
     default) are the engine's, e.g. vllm-cpu: port, block_size, max_model_len, kv_cache_gib, engine_args.
     """
     spec = _spec(name)
-    progress = progress or base._quiet
+    progress = progress or base.quiet
     settings = spec.settings(**opts)
     with base.engine_lock(name, progress):
         return _up_locked(name, spec, settings, restart, progress, timeout_s)

@@ -44,7 +44,7 @@ class EngineError(KvbenchError):
     """An engine could not be provisioned, started or stopped; the message says why and what to do."""
 
 
-def _quiet(_: str) -> None:
+def quiet(_: str) -> None:
     pass
 
 
@@ -274,7 +274,7 @@ def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def ensure_venv(venv: Path, progress: Progress = _quiet) -> Path:
+def ensure_venv(venv: Path, progress: Progress = quiet) -> Path:
     """Create `venv` with the current interpreter unless it exists; returns its python."""
     python = venv / "bin" / "python"
     if not python.exists():
@@ -300,7 +300,7 @@ def write_marker(marker: Path, data: dict) -> None:
 
 
 @contextlib.contextmanager
-def engine_lock(name: str, progress: Progress = _quiet):
+def engine_lock(name: str, progress: Progress = quiet):
     """Serialise `up`/`down` of one engine across processes (two `engine up` must not pip-install at once)."""
     folder = engine_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
@@ -328,7 +328,7 @@ def launch(
     block_size: int | None,
     settings: dict,
     env_extra: dict,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
     timeout_s: float = HEALTH_TIMEOUT_S,
     hint: str = "",
     owner: str | None = None,

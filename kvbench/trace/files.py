@@ -1,4 +1,6 @@
-"""Reading and writing trace files (Parquet, zstd, row groups sized for streaming)."""
+"""Reading and writing trace files (Parquet, zstd, row groups sized for streaming). The lowest layer of the
+trace files: it checks the file and its metadata, not the rows (`validation`; `writer.TraceWriter` writes a trace
+chunk by chunk and validates it as it goes)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -88,91 +91,9 @@ def write_trace(table: pa.Table, path: str | Path, meta: TraceMeta, row_group_si
     return path
 
 
-class TraceWriter:
-    """Write a trace chunk by chunk, in row groups of `row_group_size` rows as `write_trace` does, to
-    OUT.partial, renamed to OUT by `close()`; an error (or an invalid trace) removes the partial file. With
-    `validate` (the default) every chunk is checked as it is written (`validate.ChunkedValidation`) and
-    `close()` raises ValidationFailed, so a generator or importer bug never yields a file. Memory: one row
-    group of buffered rows and the validation's hashed ids (8-24 bytes a request)."""
-
-    def __init__(
-        self, path: str | Path, meta: TraceMeta, *, row_group_size: int = ROW_GROUP_SIZE, validate: bool = True
-    ):
-        from kvbench.trace.validation import ChunkedValidation
-
-        self.path, self.meta, self.row_group_size = Path(path), meta, row_group_size
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(self.path.name + ".partial")
-        self._validation = ChunkedValidation(meta.block_size, str(self.path)) if validate else None
-        self._writer: pq.ParquetWriter | None = None
-        self._buffer: list[pa.Table] = []
-        self._buffered = 0
-        self.rows = 0
-
-    def __enter__(self) -> TraceWriter:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-    def write(self, table: pa.Table) -> None:
-        """Append rows (any columns of the schema, in trace order); they are conformed to the schema."""
-        table = conform(table)
-        if self._validation is not None:
-            self._validation.add(table)
-        self._buffer.append(table)
-        self._buffered += table.num_rows
-        self.rows += table.num_rows
-        if self._buffered >= self.row_group_size:
-            self._flush(final=False)
-
-    def _flush(self, final: bool) -> None:
-        if not self._buffer:
-            return
-        rows = pa.concat_tables(self._buffer)
-        keep = rows.num_rows if final else rows.num_rows // self.row_group_size * self.row_group_size
-        if self._writer is None:
-            schema = rows.schema.with_metadata({**(rows.schema.metadata or {}), **self.meta.to_arrow()})
-            self._writer = pq.ParquetWriter(self._tmp, schema, compression="zstd")
-        self._writer.write_table(rows.slice(0, keep), row_group_size=self.row_group_size)
-        rest = rows.slice(keep)
-        self._buffer, self._buffered = ([rest] if rest.num_rows else []), rest.num_rows
-
-    def close(self) -> Path:
-        """Write what is buffered, check the rules across rows, and move the file to its name."""
-        try:
-            self._flush(final=True)
-            if self._writer is None:  # no rows: an empty file with the schema, which validation refuses
-                from kvbench.trace.schema import TRACE_SCHEMA
-
-                self._writer = pq.ParquetWriter(self._tmp, TRACE_SCHEMA.with_metadata(self.meta.to_arrow()))
-            self._writer.close()
-            if self._validation is not None:
-                from kvbench.errors import ValidationFailed
-                from kvbench.trace.scan import request_ids_at
-
-                report = self._validation.finish(lambda rows: request_ids_at(self._tmp, rows))
-                if not report.ok:
-                    raise ValidationFailed(report)
-        except BaseException:
-            self.abort()
-            raise
-        self._tmp.replace(self.path)  # a crash never leaves a half-written trace under the final name
-        return self.path
-
-    def abort(self) -> None:
-        """Drop everything written so far (on an error, Ctrl-C or SIGTERM, which the CLI raises as Ctrl-C)."""
-        try:
-            if self._writer is not None:
-                self._writer.close()
-        finally:
-            self._tmp.unlink(missing_ok=True)
-
-
-def _open(path: str | Path) -> pq.ParquetFile:
+def open_parquet(path: str | Path) -> pq.ParquetFile:
+    """The Parquet file at `path` (its trace metadata not checked: see `read_meta`); TraceFormatError when it is
+    missing, empty or not Parquet."""
     path = Path(path)
     if not path.exists():
         raise TraceFormatError(f"{path}: no such file")
@@ -187,12 +108,12 @@ def _open(path: str | Path) -> pq.ParquetFile:
 
 
 def read_meta(path: str | Path) -> TraceMeta:
-    return TraceMeta.from_arrow(_open(path).schema_arrow.metadata, path)
+    return TraceMeta.from_arrow(open_parquet(path).schema_arrow.metadata, path)
 
 
 def read_trace(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, TraceMeta]:
     """Read a whole trace. Does not validate: call `kvbench.trace.validation.check` before replaying."""
-    pf = _open(path)
+    pf = open_parquet(path)
     meta = TraceMeta.from_arrow(pf.schema_arrow.metadata, path)
     try:
         table = pf.read(columns=columns)
@@ -205,9 +126,26 @@ def iter_batches(
     path: str | Path, columns: list[str] | None = None, batch_size: int = ROW_GROUP_SIZE
 ) -> Iterator[pa.RecordBatch]:
     """Stream a trace in record batches, so that traces larger than memory can be scanned."""
-    pf = _open(path)
+    pf = open_parquet(path)
     TraceMeta.from_arrow(pf.schema_arrow.metadata, path)
     try:
         yield from pf.iter_batches(batch_size=batch_size, columns=columns)
     except (pa.ArrowInvalid, OSError) as exc:
         raise TraceFormatError(f"{path}: Parquet data is corrupt ({exc}); was it truncated?") from None
+
+
+def column_at_rows(path, column: str, rows: np.ndarray) -> list:
+    """Values of `column` at `rows` (sorted) of a Parquet file, read chunk by chunk."""
+    out, start = [], 0
+    # (a plain ParquetFile: the file may still be a .partial without trace metadata checks passing)
+    for batch in open_parquet(path).iter_batches(columns=[column], batch_size=ROW_GROUP_SIZE):
+        stop = start + batch.num_rows
+        local = rows[(rows >= start) & (rows < stop)] - start
+        out.extend(batch.column(0).take(pa.array(local)).to_pylist())
+        start = stop
+    return out
+
+
+def request_ids_at(path, rows: np.ndarray) -> list:
+    """request_id of a trace file at `rows` (sorted), read chunk by chunk: the text behind hashed ids."""
+    return column_at_rows(path, "request_id", rows)

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvbench.trace.outofcore import GrowingArray
+
 # Values looked up per searchsorted call: bounds the int64 positions it returns to 32 MB.
 _LOOKUP_SLICE = 4_000_000
 DUPLICATE_RULE = "duplicate request_id (an earlier row has the same id)"
@@ -69,8 +71,6 @@ class GrowingReferences:
     (`outofcore.GrowingArray`: per-chunk arrays would fragment the heap)."""
 
     def __init__(self):
-        from kvbench.trace.outofcore import GrowingArray
-
         self._fields = {
             f.name: GrowingArray(np.uint64 if f.name in ("ids", "parents", "deps") else np.int64)
             for f in fields(References)
@@ -157,7 +157,7 @@ class _HashedIds:
 
 def check_across_rows(refs: References, report, id_text=None) -> None:
     """Report duplicate ids, dangling parent_id/depends_on and dependency cycles into `report` (a
-    `validate.ValidationReport`). Hashed refs take `id_text(rows) -> list[str]` to rule out hash collisions
+    `validation.ValidationReport`). Hashed refs take `id_text(rows) -> list[str]` to rule out hash collisions
     among duplicates."""
     report.first_row = 0
     index = _HashedIds(refs.ids) if isinstance(refs.ids, np.ndarray) else _TextIds(pa.array(refs.ids))

@@ -19,9 +19,11 @@ import pyarrow.compute as pc
 
 from kvbench.errors import ValidationFailed
 from kvbench.run.metrics import NO_LABEL, HitSums
-from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, _open, iter_batches, read_meta
+from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, iter_batches, open_parquet, read_meta, request_ids_at
+from kvbench.trace.outofcore import GrowingArray, InfiniteCacheStream
 from kvbench.trace.schema import TRACE_SCHEMA
 from kvbench.trace.stats import DEFAULT_WARMUP
+from kvbench.trace.summary import COLUMNS, TraceSummary
 from kvbench.trace.validation import ChunkedValidation, ValidationReport, block_lengths
 
 # Above this many block references a replay streams the trace (about 0.5 GB of block ids in memory).
@@ -32,7 +34,7 @@ _BLOCKS_TYPE = TRACE_SCHEMA.field("block_hashes").type
 
 def block_references(path: str | Path) -> int:
     """Block references in a trace, from the Parquet footer (no data read)."""
-    md = _open(path).metadata
+    md = open_parquet(path).metadata
     leaf = next((i for i in range(md.num_columns) if md.schema.column(i).path.startswith("block_hashes.")), None)
     if leaf is None:
         return 0
@@ -121,7 +123,7 @@ class ScannedTrace:
     def chunks(self, columns=REPLAY_COLUMNS, blocks: bool = True) -> Iterator[pa.RecordBatch]:
         """block_hashes (unless `blocks` is False) and the other `columns` the trace has, cast to the schema's
         types (validated castable), in row order, chunk by chunk."""
-        names = set(_open(self.path).schema_arrow.names)
+        names = set(open_parquet(self.path).schema_arrow.names)
         wanted = (["block_hashes"] if blocks else []) + [c for c in columns if c in names]
         for batch in iter_batches(self.path, columns=wanted, batch_size=self.chunk_rows):
             for i, f in enumerate(batch.schema):
@@ -129,23 +131,6 @@ class ScannedTrace:
                 if not f.type.equals(typ):
                     batch = batch.set_column(i, pa.field(f.name, typ), batch.column(i).cast(typ))
             yield batch
-
-
-def request_ids_at(path, rows: np.ndarray) -> list:
-    """request_id of a trace file at `rows` (sorted), read chunk by chunk: the text behind hashed ids."""
-    return _rows_of(path, "request_id", rows)
-
-
-def _rows_of(path, column: str, rows: np.ndarray) -> list:
-    """Values of `column` at `rows` (sorted), read chunk by chunk."""
-    out, start = [], 0
-    # (a plain ParquetFile: the file may still be a .partial without trace metadata checks passing)
-    for batch in _open(path).iter_batches(columns=[column], batch_size=ROW_GROUP_SIZE):
-        stop = start + batch.num_rows
-        local = rows[(rows >= start) & (rows < stop)] - start
-        out.extend(batch.column(0).take(pa.array(local)).to_pylist())
-        start = stop
-    return out
 
 
 class _Names:
@@ -170,11 +155,9 @@ def scan_trace(
     keep_hits: bool = False,
 ) -> ScannedTrace:
     """Validate and summarise a trace in one pass, chunk by chunk (raises ValidationFailed). Memory: one
-    chunk, the hashed cross-row references while validating (`validate.ChunkedValidation`, 8-24 bytes a
+    chunk, the hashed cross-row references while validating (`validation.ChunkedValidation`, 8-24 bytes a
     request), and 12 bytes a request while the infinite-cache bound (at `warmup`) is resolved; `keep_hits`
     keeps its hit blocks per request (4 bytes a request), for trace info."""
-    from kvbench.trace.outofcore import GrowingArray, InfiniteCacheStream
-
     path = Path(path)
     meta = read_meta(path)
     validation = ChunkedValidation(meta.block_size, str(path))
@@ -217,8 +200,28 @@ def scan_trace(
     )
 
 
+def trace_info_file(path, warmup: float = DEFAULT_WARMUP, tmpdir=None, chunk_rows: int | None = None) -> dict:
+    """Validate the trace at `path` and return its `trace_info`, in bounded memory, reading it twice by row
+    group: `scan_trace` validates it and resolves the infinite cache out of core (spilled to
+    `tmpdir`), keeping its hit blocks per request (4 bytes a request); a second pass reads the light
+    per-request columns (no block ids) into `summary.TraceSummary`. Raises ValidationFailed."""
+    chunk_rows = chunk_rows or ROW_GROUP_SIZE
+    scanned = scan_trace(path, tmpdir=tmpdir, warmup=warmup, keep_hits=True, chunk_rows=chunk_rows)
+    block_size, hits = scanned.meta.block_size, scanned.infinite_hits
+    summary = TraceSummary(scanned.n_requests, block_size, warmup)
+    present = [c for c in COLUMNS if c in open_parquet(path).schema_arrow.names]
+    start = 0
+    for batch in iter_batches(path, columns=present, batch_size=chunk_rows):
+        stop = start + batch.num_rows
+        inp = batch.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        n_blocks = -(-inp // block_size)  # validated: a request has ceil(input_tokens / block_size) blocks
+        summary.add(batch, hits[start:stop], n_blocks)
+        start = stop
+    return summary.result(scanned.unique_blocks)
+
+
 def validate_file(path: str | Path, chunk_rows: int = ROW_GROUP_SIZE) -> ValidationReport:
-    """Every rule of the schema on a trace file, read chunk by chunk (`validate.ChunkedValidation`): the
+    """Every rule of the schema on a trace file, read chunk by chunk (`validation.ChunkedValidation`): the
     report `validate_table` gives on the whole table, in memory that does not hold the trace."""
     path = Path(path)
     validation = ChunkedValidation(read_meta(path).block_size, str(path))

@@ -1,10 +1,13 @@
-"""Trace characterisation (`kvbench trace info`): sizes, rates, lengths, reuse and the infinite-cache bound."""
+"""Trace characterisation (`kvbench trace info`): sizes, rates, lengths, reuse and the infinite-cache bound, of a
+trace in memory; `scan.trace_info_file` gives the same numbers for a file, in bounded memory."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from kvbench.trace.summary import TraceSummary
 
 DEFAULT_WARMUP = 0.5  # fraction of requests treated as warm-up (kvcache.ai convention, docs/semantics.md, Hit rates)
 
@@ -68,8 +71,6 @@ def hit_rates(
 
 def trace_info(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP) -> dict:
     """Everything `kvbench trace info` prints, as a JSON-ready dict with stable keys (whole table in memory)."""
-    from kvbench.trace.summary import TraceSummary
-
     hashes = table.column("block_hashes")
     n_blocks = pc.list_value_length(hashes).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(hashes)
@@ -77,27 +78,3 @@ def trace_info(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP)
     summary = TraceSummary(table.num_rows, block_size, warmup)
     summary.add(table, infinite_cache_hits(hashes), n_blocks)
     return summary.result(unique_blocks)
-
-
-def trace_info_file(path, warmup: float = DEFAULT_WARMUP, tmpdir=None, chunk_rows: int | None = None) -> dict:
-    """Validate the trace at `path` and return its `trace_info`, in bounded memory, reading it twice by row
-    group: `scan.scan_trace` validates it and resolves the infinite cache out of core (spilled to
-    `tmpdir`), keeping its hit blocks per request (4 bytes a request); a second pass reads the light
-    per-request columns (no block ids) into `summary.TraceSummary`. Raises ValidationFailed."""
-    from kvbench.trace.files import ROW_GROUP_SIZE, _open, iter_batches
-    from kvbench.trace.scan import scan_trace
-    from kvbench.trace.summary import COLUMNS, TraceSummary
-
-    chunk_rows = chunk_rows or ROW_GROUP_SIZE
-    scanned = scan_trace(path, tmpdir=tmpdir, warmup=warmup, keep_hits=True, chunk_rows=chunk_rows)
-    block_size, hits = scanned.meta.block_size, scanned.infinite_hits
-    summary = TraceSummary(scanned.n_requests, block_size, warmup)
-    present = [c for c in COLUMNS if c in _open(path).schema_arrow.names]
-    start = 0
-    for batch in iter_batches(path, columns=present, batch_size=chunk_rows):
-        stop = start + batch.num_rows
-        inp = batch.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
-        n_blocks = -(-inp // block_size)  # validated: a request has ceil(input_tokens / block_size) blocks
-        summary.add(batch, hits[start:stop], n_blocks)
-        start = stop
-    return summary.result(scanned.unique_blocks)

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.errors import ValidationFailed
+from kvbench.trace.files import read_trace
 from kvbench.trace.references import GrowingReferences, References, check_across_rows
 from kvbench.trace.schema import REQUIRED_COLUMNS, TRACE_SCHEMA, type_mismatch
 
@@ -272,8 +273,6 @@ def check(table: pa.Table, block_size: int, source: str) -> None:
 
 def read_valid_trace(path: str | Path):
     """Read a trace and validate it; what replays and reports load, since an invalid trace is never replayed."""
-    from kvbench.trace.files import read_trace
-
     table, meta = read_trace(path)
     check(table, meta.block_size, str(path))
     return table, meta

@@ -243,10 +243,10 @@ def test_a_batch_that_never_ran_together_is_refused():
         return Outcome(row=0, chunk_s=list(chunks), completion_tokens=len(chunks))
 
     together = [o(np.arange(0.1, 1.0, 0.01)), o(np.arange(0.12, 1.02, 0.01))]
-    step, kv, steps = C._decode_step(together, 100)
+    step, kv, steps = C.decode_step(together, 100)
     assert step == pytest.approx(0.01) and steps >= C.MIN_WINDOW_STEPS and kv > 200
     apart = [o(np.arange(0.0, 0.5, 0.01)), o(np.arange(0.6, 1.0, 0.01))]
-    assert C._decode_step(apart, 100) is None
+    assert C.decode_step(apart, 100) is None
 
 
 def test_host_port_keeps_nothing_else():

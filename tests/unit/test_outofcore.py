@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvbench.trace.files import read_trace
 from kvbench.trace.outofcore import InfiniteCacheStream
-from kvbench.trace.stats import infinite_cache_hits, trace_info, trace_info_file
+from kvbench.trace.scan import trace_info_file
+from kvbench.trace.stats import infinite_cache_hits, trace_info
 
 from ..conftest import REPO
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvbench.trace.files import read_trace
 from kvbench.trace.generators import InMemoryLimit, get, registry
 from kvbench.trace.generators import _stream as stream
-from kvbench.trace.scan import validate_file
-from kvbench.trace.stats import trace_info, trace_info_file
+from kvbench.trace.scan import trace_info_file, validate_file
+from kvbench.trace.stats import trace_info
 
 from ..conftest import REPO
 

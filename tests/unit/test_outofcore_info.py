@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from kvbench.trace.files import read_trace
 from kvbench.trace.references import References, check_across_rows
-from kvbench.trace.scan import validate_file
-from kvbench.trace.stats import hit_rates, infinite_cache_hits, trace_info, trace_info_file
+from kvbench.trace.scan import trace_info_file, validate_file
+from kvbench.trace.stats import hit_rates, infinite_cache_hits, trace_info
 from kvbench.trace.summary import percentiles_of_counts
 from kvbench.trace.validation import ValidationReport, validate_table
 

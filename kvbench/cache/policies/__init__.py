@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbench.cache.densify import scratch
 from kvbench.cache.prepared import PreparedTrace
+from kvbench.errors import KvbenchError
 from kvbench.registry import Registry
 
 
@@ -55,8 +57,6 @@ class Carry:
         self._reuse = reuse_buffers
 
     def buffer(self, name: str, size: int, dtype) -> np.ndarray:
-        from kvbench.cache.densify import scratch
-
         return scratch(name, size, dtype) if self._reuse else np.empty(max(size, 1), dtype)[:size]
 
     def feed(self, chunk: PreparedTrace) -> SimOutput:  # the next requests, in order
@@ -131,8 +131,6 @@ get = _REGISTRY.get
 
 def parse_names(spec) -> list[str]:
     """`--policy a,b` as a list of registered policy names; an unknown one is an error that lists the choices."""
-    from kvbench.errors import KvbenchError
-
     known = registry()
     names = [p.strip() for p in str(spec).split(",") if p.strip()]
     for p in names:

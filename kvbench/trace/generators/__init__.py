@@ -26,8 +26,9 @@ import pyarrow as pa
 from kvbench import __version__
 from kvbench.errors import KvbenchError
 from kvbench.registry import Registry
-from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, TraceWriter, new_meta
+from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, new_meta
 from kvbench.trace.generators._stream import WINDOW_REQUESTS
+from kvbench.trace.writer import TraceWriter
 
 DEFAULT_BLOCK_SIZE = 64
 # Peak memory of an in-memory generator per request, unless it registers its own: what `write` checks

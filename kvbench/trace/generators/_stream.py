@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from kvbench.trace.generators._common import Conversations
+
 # Requests per window of a streamed generator: hashing a window's prompts takes ~20 KB a request (measured on
 # chat: 16K requests peak at 460 MB RSS, 64K at 1 GB), so windows stay well below a row group.
 WINDOW_REQUESTS = 16_384
@@ -102,8 +104,6 @@ def conversation_windows(
 ) -> Iterator[tuple[pa.Table, float]]:
     """`build(conv, carry) -> (rows, first session start)` for each window of sessions (`turns` per
     session), `carry` being the running sum of steps the previous window ended with."""
-    from kvbench.trace.generators._common import Conversations
-
     carry = 0.0
     for s0, s1, r0, _ in session_windows(turns, window_requests):
         conv = Conversations.window(turns[s0:s1], s0, r0)

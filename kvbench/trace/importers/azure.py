@@ -19,11 +19,12 @@ import pyarrow.compute as pc
 
 from kvbench.errors import TraceFormatError
 from kvbench.trace.blockhash import name_key
-from kvbench.trace.files import TraceWriter, new_meta
+from kvbench.trace.files import new_meta
 from kvbench.trace.importers import importer
 from kvbench.trace.importers._csv import CsvFile, FirstErrors, parse_datetimes
 from kvbench.trace.importers._ids import unique_block_ids
 from kvbench.trace.schema import conform
+from kvbench.trace.writer import TraceWriter
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 FORMAT = "an Azure LLM inference trace"

@@ -21,11 +21,12 @@ import pyarrow.compute as pc
 
 from kvbench.errors import TraceFormatError
 from kvbench.trace.blockhash import name_key
-from kvbench.trace.files import TraceWriter, new_meta
+from kvbench.trace.files import new_meta
 from kvbench.trace.importers import importer
 from kvbench.trace.importers._csv import CsvFile, FirstErrors
 from kvbench.trace.importers._ids import unique_block_ids
 from kvbench.trace.schema import conform
+from kvbench.trace.writer import TraceWriter
 
 COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}

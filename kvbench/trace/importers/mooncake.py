@@ -18,10 +18,11 @@ import pyarrow as pa
 
 from kvbench.errors import TraceFormatError
 from kvbench.trace.blockhash import chain_ids, name_key
-from kvbench.trace.files import ROW_GROUP_SIZE, TraceWriter, new_meta
+from kvbench.trace.files import ROW_GROUP_SIZE, new_meta
 from kvbench.trace.importers import importer, read_jsonl, require
 from kvbench.trace.importers._ids import BlockCounts, PrefixConsistency
 from kvbench.trace.schema import conform
+from kvbench.trace.writer import TraceWriter
 
 KNOWN_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 TIME_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
