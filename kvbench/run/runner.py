@@ -116,12 +116,7 @@ def run_replay(
     `resume` or `overwrite`; `force` lets --resume go on with pacing options that differ from the first run's.
     A run that fails before it measured anything leaves no directory behind."""
     trace_path = Path(trace_path)
-    try:
-        backend_cls = load_backend(backend_name)
-    except KeyError as exc:
-        raise KvbenchError(exc.args[0]) from None
-    protocol = protocol_of(backend_cls, backend_name)  # load_backend checked that it declares one
-    backend = backend_cls(**backend_options)
+    backend, protocol = _make_backend(backend_name, backend_options)
     online = protocol is OnlineBackend
     check_executor(workers, executor, online, ray_address)
     if resume and not (online and out):
@@ -139,9 +134,35 @@ def run_replay(
         out, DEFAULT_REPORTS / new_run_id(backend_name, trace_path), resume=resume, overwrite=overwrite
     )
     run_dir = claimed.path
-    summary = {
+    summary = _new_summary(run_dir.name, command, trace_path, trace, backend_name, config)
+    try:
+        if online:
+            _run_online(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
+                        resume, workers, executor, ray_address)  # fmt: skip
+        else:
+            _run_offline(backend, trace, run_dir, summary, warmup, progress, report)
+        return run_dir, summary
+    except Exception:
+        if not _measured(summary):
+            claimed.discard()
+        raise
+
+
+def _make_backend(backend_name: str, backend_options: dict):
+    """The backend built with its options, and the protocol its class declares."""
+    try:
+        backend_cls = load_backend(backend_name)
+    except KeyError as exc:
+        raise KvbenchError(exc.args[0]) from None
+    protocol = protocol_of(backend_cls, backend_name)  # load_backend checked that it declares one
+    return backend_cls(**backend_options), protocol
+
+
+def _new_summary(run_id: str, command, trace_path: Path, trace: _Trace, backend_name: str, config: dict) -> dict:
+    """summary.json before the first point: what was replayed, through what, how; no results yet."""
+    return {
         "kvbench_version": __version__,
-        "run_id": run_dir.name,
+        "run_id": run_id,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": redact_text(command) if command else command,
         "environment": _environment(),
@@ -159,17 +180,6 @@ def run_replay(
         "curves": [],
         "complete": False,
     }
-    try:
-        if online:
-            _run_online(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
-                        resume, workers, executor, ray_address)  # fmt: skip
-        else:
-            _run_offline(backend, trace, run_dir, summary, warmup, progress, report)
-        return run_dir, summary
-    except Exception:
-        if not _measured(summary):
-            claimed.discard()
-        raise
 
 
 def _measured(summary: dict) -> bool:
@@ -240,16 +250,7 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
             points = backend.replay_stream(scanned, progress=progress)
         for point in points:
             if scanned is not None or "hit_blocks" in point.columns:
-                # one chunk of answers at a time, written and summed, then dropped: a streamed point keeps
-                # nothing per request
-                metrics = MetricSums(trace.facts["requests"], meta.block_size, warmup)
-                answered = _whole_answers if scanned is None else _streamed_answers
-                for rows, n_blocks, answers in answered(point, trace):
-                    writer.write(rows, PointResult(point.labels, answers))
-                    metrics.add(rows, n_blocks, answers["hit_blocks"], answers.get("evictions"))
-                if scanned is not None:
-                    point = PointResult(point.labels, extra=point.finish())
-                totals = metrics.result(point.extra.pop("evict_matrix", None), point.extra.pop("tenant_names", None))
+                point, totals = _write_and_sum(point, trace, writer, warmup)
                 summary["points"].append({"name": point.name, **point.labels, **totals, **point.extra})
             if "curve" in point.extra:
                 summary["curves"].append({**point.labels, **point.extra["curve"]})
@@ -262,6 +263,19 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
     finally:
         writer.close()
         _finish(run_dir, summary, report, trace.table if scanned is None else None)
+
+
+def _write_and_sum(point, trace: _Trace, writer: ResultWriter, warmup: float) -> tuple[PointResult, dict]:
+    """Write a point's answers and sum its metrics one chunk at a time, then drop them: a streamed point keeps
+    nothing per request. Returns the point (a streamed one, finished) and its metrics."""
+    metrics = MetricSums(trace.facts["requests"], trace.meta.block_size, warmup)
+    answered = _whole_answers if trace.scanned is None else _streamed_answers
+    for rows, n_blocks, answers in answered(point, trace):
+        writer.write(rows, PointResult(point.labels, answers))
+        metrics.add(rows, n_blocks, answers["hit_blocks"], answers.get("evictions"))
+    if trace.scanned is not None:
+        point = PointResult(point.labels, extra=point.finish())
+    return point, metrics.result(point.extra.pop("evict_matrix", None), point.extra.pop("tenant_names", None))
 
 
 def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:
