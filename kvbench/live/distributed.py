@@ -107,21 +107,6 @@ def shard_sessions(table: pa.Table, workers: int) -> list[Shard]:
     return shards
 
 
-def check_executor(workers: int, executor: str, online: bool, ray_address: str = "") -> None:
-    if (workers > 1 or executor != "local") and not online:
-        raise KvbenchError(
-            "--workers and --executor ray drive a live backend (e.g. --backend openai); a simulator replays in one "
-            "process"
-        )
-    if workers > 1 and executor == "local":
-        raise KvbenchError(
-            f"--workers {workers} runs the load generators as Ray actors: add --executor ray (a local Ray cluster "
-            "is started unless --ray-address names one)"
-        )
-    if ray_address and executor != "ray":
-        raise KvbenchError("--ray-address is for --executor ray")
-
-
 @dataclass
 class _Worker:
     shard: Shard

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
-from kvbench.live.distributed import check_executor, run_distributed
+from kvbench.live.distributed import run_distributed
 from kvbench.live.replay import run_live
 from kvbench.redact import redact, redact_text
 from kvbench.run.backend import OfflineBackend, OnlineBackend, PointResult, StreamedPoint, StreamingBackend, protocol_of
@@ -146,6 +146,22 @@ def run_replay(
         if not _measured(summary):
             claimed.discard()
         raise
+
+
+def check_executor(workers: int, executor: str, online: bool, ray_address: str = "") -> None:
+    """The options of a distributed live run (`kvbench.live.distributed`) fit the backend and each other."""
+    if (workers > 1 or executor != "local") and not online:
+        raise KvbenchError(
+            "--workers and --executor ray drive a live backend (e.g. --backend openai); a simulator replays in one "
+            "process"
+        )
+    if workers > 1 and executor == "local":
+        raise KvbenchError(
+            f"--workers {workers} runs the load generators as Ray actors: add --executor ray (a local Ray cluster "
+            "is started unless --ray-address names one)"
+        )
+    if ray_address and executor != "ray":
+        raise KvbenchError("--ray-address is for --executor ray")
 
 
 def _make_backend(backend_name: str, backend_options: dict):
