@@ -1,7 +1,8 @@
 """The Python API (`import kvbench`): the CLI's commands as functions, each a thin layer over the modules that
 do the work, so a run made here is the run `kvbench replay` makes. Backend options are the backend's replay
 options by Python name (`--share-lora-kv` is `share_lora_kv=`), converted and defaulted by the same click
-parameters; errors are KvbenchErrors with the CLI's messages. Heavy modules are imported on first call."""
+parameters; an old spelling (`dram=`, now `dram_capacity=`) still works, with a DeprecationWarning. Errors are
+KvbenchErrors with the CLI's messages. Heavy modules are imported on first call."""
 
 from __future__ import annotations
 
@@ -239,8 +240,8 @@ def _grid(axes: dict):
     _check_names(axes, set().union(plain, *map(_names, backends)), "sweep")
     options = {}
     for backend in backends:  # a point gets the options its backend declares (sweep.run_point filters them)
-        converted = _backend_options(backend, {k: v for k, v in axes.items() if k in _names(backend)})
-        options.update({k: v for k, v in converted.items() if k in axes})
+        mine = {k: v for k, v in axes.items() if k in _names(backend)}
+        options.update(_backend_options(backend, mine, stacklevel=4, given_only=True))
     traces = [str(_trace_path(t)) for t in _flat([get.pop("trace", [])])]
     lists = {field: split_values(get.pop(axis, None)) for axis, field in OPTION_AXES.items()}
     engine_args = [str(a) for a in _flat([get.pop("engine_args", [])])]
@@ -293,24 +294,28 @@ def _names(backend: str) -> set[str]:
     return {p.name for p in load_backend(backend).cli_options()}
 
 
-def _backend_options(backend: str, options: dict) -> dict:
+def _backend_options(backend: str, options: dict, stacklevel: int = 3, given_only: bool = False) -> dict:
     """Every option of the backend as `kvbench replay` passes them to the runner: the given ones converted by
     the backend's own click parameters (a list is joined with commas: capacity=[1000, 10000]), the others at
-    their defaults."""
+    their defaults (`given_only`: the given ones alone). An old keyword (dram=, now dram_capacity=) is given
+    under its new name, with a DeprecationWarning `stacklevel` frames up (3: the caller of replay())."""
     import click
 
+    from kvbench.run.options import renamed, renamings_of
     from kvbench.run.plugins import load_backend
 
     params = load_backend(backend).cli_options()
+    options = renamed(renamings_of(params), options, stacklevel)
     multiple = {p.name for p in params if p.multiple}
     given = {
         k: ",".join(map(str, v)) if isinstance(v, list | tuple) and k not in multiple else v for k, v in options.items()
     }
     cmd = click.Command(f"kvbench replay --backend {backend}", params=params)
     try:
-        return dict(cmd.make_context(cmd.name, [], default_map=given).params)
+        converted = dict(cmd.make_context(cmd.name, [], default_map=given).params)
     except click.ClickException as exc:
         raise KvbenchError(exc.format_message()) from None
+    return {k: v for k, v in converted.items() if k in given} if given_only else converted
 
 
 def _cli_value(kind, value, flag: str):

@@ -6,7 +6,9 @@ overridable from a TOML file)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import click
 import numpy as np
@@ -21,251 +23,190 @@ from kvbench.cache.prepared import prepare
 from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 from kvbench.errors import KvbenchError
 from kvbench.live.latency import modeled_latency_summary
+from kvbench.run import options
 from kvbench.run.backend import PointResult
+from kvbench.run.options import option
 from kvbench.trace.files import TraceMeta
 
 
-def _size_option(flag: str, help: str) -> click.Option:
-    return click.Option([flag], default="0", show_default=True, help=help)
+def _size(default: str, help: str, **kwargs):
+    return option(default, help, unit="blocks, tokens or bytes", **kwargs)
+
+
+def _share(default: float, help: str):
+    return option(default, help, unit="share, 0-1", type=click.FloatRange(0, 1, min_open=True))
+
+
+@dataclass
+class EngineSimConfig:
+    """The options of `kvbench replay --backend engine-sim` (kvbench.run.options); the scenarios add theirs."""
+
+    policy: str = option(
+        "vllm",
+        lambda: (
+            f"HBM prefix-cache policy, or several (comma-separated, one point each): {', '.join(_policies.registry())}"
+        ),
+        unit="name(s)",
+        key="policies",
+    )
+    hardware: str = option(
+        "h100", "accelerator preset (kvbench.hardware) or a [hardware.NAME] table of --specs", unit="name"
+    )
+    model: str = option(
+        "llama3-8b", "model geometry preset (kvbench.hardware) or a [model.NAME] table of --specs", unit="name"
+    )
+    specs: str | None = option(
+        None, "TOML file of hardware/model tables that override or add presets", unit="path",
+        type=click.Path(exists=True, dir_okay=False),
+    )  # fmt: skip
+    kv_dtype: str = option(
+        "bf16", "KV cache element type: scales bytes per token", unit="name", type=click.Choice(list(KV_DTYPE_BYTES))
+    )
+    instances: int = option(1, "serving instances (one accelerator each)", unit="instances", type=click.IntRange(min=1))
+    router: str = option(
+        "round-robin", "how a request picks an instance", unit="name", type=click.Choice(list(ROUTERS))
+    )
+    hbm_capacity: str | None = _size(
+        None,
+        "KV pool per instance: blocks, tokens (5M tok) or bytes (40GiB); with --policy vllm the engine's "
+        "num_gpu_blocks, one of which is its null block [default: what --gpu-memory-utilization of HBM leaves "
+        "after the weights]",
+    )
+    gpu_memory_utilization: float = _share(0.9, "share of HBM for weights + KV when the pool is derived")
+    max_num_seqs: int = option(
+        256, "sequences per iteration (continuous batching)", unit="sequences", type=click.IntRange(min=1)
+    )
+    max_num_batched_tokens: int = option(
+        8192, "tokens per iteration (chunked prefill splits longer prompts)", unit="tokens", type=click.IntRange(min=1)
+    )
+    preemption: str = option(
+        "recompute",
+        "when the pool runs out: recompute, swap, or protect-after=N (requests past N generated tokens are "
+        "swapped, never recomputed)",
+        unit="name (N: tokens)",
+    )
+    dram_capacity: str = _size("0", "host DRAM tier per instance (e.g. 64GiB; 0 = none)", old=["--dram"])
+    ssd_capacity: str = _size("0", "local SSD tier per instance (e.g. 1TB; 0 = none)", old=["--ssd"])
+    global_pool: str = _size(
+        "0",
+        "global KV store shared by all instances, Mooncake Store / LMCache style (30M tok, 500GB; 0 = none). Every "
+        "instance looks a prompt up in its HBM, DRAM, SSD, then the store",
+    )
+    pool_bandwidth_gbps: float = option(
+        25.0,
+        "global store → HBM bandwidth per instance: what a block loaded from the store costs",
+        unit="GB/s, 1e9 bytes/s",
+        type=click.FloatRange(min=0, min_open=True),
+        old=["--pool-bandwidth"],
+    )
+    pool_put: str = option(
+        "prefill",
+        "when an instance puts KV blocks into the global store: prefill (as soon as it computes or admits them, "
+        "write-through) or evict (when they leave the instance: a victim cache)",
+        unit="name",
+        type=click.Choice(list(STORE_PUTS)),
+    )
+    pool_policy: str = option(
+        "lru", f"eviction policy of the global store (its own, apart from --policy): {', '.join(STORE_POLICIES)}",
+        unit="name",
+    )  # fmt: skip
+    write_through: bool = option(
+        False,
+        "write-through: every block HBM admits is also written to DRAM; write-back: only what HBM evicts",
+        unit="on/off",
+        flag="--write-through/--write-back",
+    )
+    closed_loop: bool = option(
+        False,
+        "a session's next turn (and an agent call after its depends_on) arrives when the previous finishes plus "
+        "think_time_s, not at its trace time",
+        unit="on/off",
+        is_flag=True,
+    )
+    max_concurrency: int | None = option(
+        None,
+        "requests the client keeps in flight at most (as a live replay's --max-concurrency): one due while that "
+        "many run is sent when one finishes, its latencies counted from then [default: no limit]",
+        unit="requests",
+        type=click.IntRange(min=1),
+    )
+    mfu: float = _share(0.5, "achieved share of peak FLOP/s (prefill)")
+    mbu: float = _share(0.8, "achieved share of peak memory bandwidth (decode)")
+    calibration: str | None = option(
+        None,
+        "TOML file with a [calibration] table (from `kvbench calibrate`): measured prefill tokens/s and decode "
+        "step terms replace the roofline's",
+        unit="path",
+        type=click.Path(exists=True, dir_okay=False),
+    )
+    salt: bool = option(True, "fold cache_salt into cache keys", unit="on/off", flag="--salt/--no-salt")
+    share_lora_kv: bool = option(False, "let requests of different LoRA adapters share KV", unit="on/off", is_flag=True)
+
+
+# the units of the scenarios' options (declared in backends/enginesim/scenarios), stated in --help
+SCENARIO_UNITS = {
+    "task_retention": "on/off",
+    "autoscale": "instances",
+    "cold_start_s": "s",
+    "scale_up_load": "tokens per instance",
+    "warm_window_s": "s",
+    "disagg": "name",
+    "prefill_instances": "instances",
+    "kv_link_gbps": "GB/s, 1e9 bytes/s",
+    "attn_ffn_micro_batches": "micro-batches",
+    "mm_cache": "name",
+    "lora_kv": "name",
+    "lora_delta": "share of a base block",
+    "reasoning_instances": "instances",
+    "delete_user": "name@s",
+    "user_kv_ttl": "s",
+    "user_kv_quota": "blocks",
+}
+TIER_OPTIONS = ("hbm_capacity", "dram_capacity", "ssd_capacity", "global_pool")  # sizes, checked when built
 
 
 class EngineSimBackend:
     name = "engine-sim"
     kind = "offline"  # kvbench.run.backend.OfflineBackend
+    Config = EngineSimConfig
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
-        pols = ", ".join(_policies.registry())
-        return [
-            click.Option(
-                ["--policy"],
-                default="vllm",
-                show_default=True,
-                help=f"HBM prefix-cache policy, or several (comma-separated, one point each): {pols}",
-            ),
-            click.Option(
-                ["--hardware"],
-                default="h100",
-                show_default=True,
-                help="accelerator preset (kvbench.hardware) or a [hardware.NAME] table of --specs",
-            ),
-            click.Option(
-                ["--model"],
-                default="llama3-8b",
-                show_default=True,
-                help="model geometry preset or a [model.NAME] table of --specs",
-            ),
-            click.Option(
-                ["--specs"],
-                type=click.Path(exists=True, dir_okay=False),
-                help="TOML file of hardware/model tables that override or add presets",
-            ),
-            click.Option(
-                ["--kv-dtype"],
-                type=click.Choice(list(KV_DTYPE_BYTES)),
-                default="bf16",
-                show_default=True,
-                help="KV cache element type: scales bytes per token",
-            ),
-            click.Option(
-                ["--instances"],
-                type=click.IntRange(min=1),
-                default=1,
-                show_default=True,
-                help="serving instances (one accelerator each)",
-            ),
-            click.Option(
-                ["--router"],
-                type=click.Choice(list(ROUTERS)),
-                default="round-robin",
-                show_default=True,
-                help="how a request picks an instance",
-            ),
-            click.Option(
-                ["--hbm-capacity"],
-                help="KV pool per instance: blocks, tokens (5M tok) or bytes (40GiB); with --policy vllm the "
-                "engine's num_gpu_blocks, one of which is its null block "
-                "[default: what --gpu-memory-utilization of HBM leaves after the weights]",
-            ),
-            click.Option(
-                ["--gpu-memory-utilization"],
-                type=click.FloatRange(0, 1, min_open=True),
-                default=0.9,
-                show_default=True,
-                help="share of HBM for weights + KV when the pool is derived",
-            ),
-            click.Option(
-                ["--max-num-seqs"],
-                type=click.IntRange(min=1),
-                default=256,
-                show_default=True,
-                help="sequences per iteration (continuous batching)",
-            ),
-            click.Option(
-                ["--max-num-batched-tokens"],
-                type=click.IntRange(min=1),
-                default=8192,
-                show_default=True,
-                help="tokens per iteration (chunked prefill splits longer prompts)",
-            ),
-            click.Option(
-                ["--preemption"],
-                default="recompute",
-                show_default=True,
-                help="when the pool runs out: recompute, swap, or protect-after=N (requests past N generated "
-                "tokens are swapped, never recomputed)",
-            ),
-            _size_option("--dram", "host DRAM tier per instance (bytes, e.g. 64GiB; 0 = none)"),
-            _size_option("--ssd", "local SSD tier per instance (bytes, e.g. 1TB; 0 = none)"),
-            _size_option(
-                "--global-pool",
-                "global KV store shared by all instances, Mooncake Store / LMCache style: blocks, tokens "
-                "(30M tok) or bytes (500GB); 0 = none. Every instance looks a prompt up in its HBM, DRAM, SSD, "
-                "then the store",
-            ),
-            click.Option(
-                ["--pool-bandwidth"],
-                type=click.FloatRange(min=0, min_open=True),
-                default=25.0,
-                show_default=True,
-                help="global store → HBM bandwidth per instance (GB/s): what a block loaded from the store costs",
-            ),
-            click.Option(
-                ["--pool-put"],
-                type=click.Choice(list(STORE_PUTS)),
-                default="prefill",
-                show_default=True,
-                help="when an instance puts KV blocks into the global store: prefill (as soon as it computes or "
-                "admits them, write-through) or evict (when they leave the instance: a victim cache)",
-            ),
-            click.Option(
-                ["--pool-policy"],
-                default="lru",
-                show_default=True,
-                help=f"eviction policy of the global store (its own, apart from --policy): {', '.join(STORE_POLICIES)}",
-            ),
-            click.Option(
-                ["--write-through/--write-back"],
-                default=False,
-                show_default=True,
-                help="write-through: every block HBM admits is also written to DRAM; write-back: only what HBM evicts",
-            ),
-            click.Option(
-                ["--max-concurrency"],
-                type=click.IntRange(min=1),
-                help="requests the client keeps in flight at most (as a live replay's --max-concurrency): one due "
-                "while that many run is sent when one finishes, its latencies counted from then [default: no limit]",
-            ),
-            click.Option(
-                ["--closed-loop"],
-                is_flag=True,
-                help="a session's next turn (and an agent call after its depends_on) arrives when the previous "
-                "finishes plus think_time_s, not at its trace time",
-            ),
-            click.Option(
-                ["--mfu"],
-                type=click.FloatRange(0, 1, min_open=True),
-                default=0.5,
-                show_default=True,
-                help="achieved share of peak FLOP/s (prefill)",
-            ),
-            click.Option(
-                ["--mbu"],
-                type=click.FloatRange(0, 1, min_open=True),
-                default=0.8,
-                show_default=True,
-                help="achieved share of peak memory bandwidth (decode)",
-            ),
-            click.Option(
-                ["--calibration"],
-                type=click.Path(exists=True, dir_okay=False),
-                help="TOML file with a [calibration] table (from `kvbench calibrate`): measured prefill tokens/s "
-                "and decode step terms replace the roofline's",
-            ),
-            click.Option(["--salt/--no-salt"], default=True, show_default=True, help="fold cache_salt into cache keys"),
-            click.Option(["--share-lora-kv"], is_flag=True, help="let requests of different LoRA adapters share KV"),
-        ] + [opt for sc in _scenarios.registry().values() for opt in sc.options]
+        scenario_options = [opt for sc in _scenarios.registry().values() for opt in sc.options]
+        return options.cli_options(EngineSimConfig) + options.with_units(scenario_options, SCENARIO_UNITS)
 
-    def __init__(
-        self,
-        policy="vllm",
-        hardware="h100",
-        model="llama3-8b",
-        specs=None,
-        kv_dtype="bf16",
-        instances=1,
-        router="round-robin",
-        hbm_capacity=None,
-        gpu_memory_utilization=0.9,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        preemption="recompute",
-        dram="0",
-        ssd="0",
-        global_pool="0",
-        pool_bandwidth=25.0,
-        pool_put="prefill",
-        pool_policy="lru",
-        write_through=False,
-        closed_loop=False,
-        max_concurrency=None,
-        mfu=0.5,
-        mbu=0.8,
-        calibration=None,
-        salt=True,
-        share_lora_kv=False,
-        **scenario_options,
-    ):
+    def __init__(self, config: EngineSimConfig | None = None, **kwargs):
+        """`config`, or its fields as keyword arguments; the other keywords are the scenarios' options."""
         from kvbench.backends.enginesim.roofline import LatencyModel
 
         from kvbench.hardware import load_specs, resolve_hardware, resolve_model
 
-        self.policies = _policies.parse_names(policy)
-        check_store_options(pool_policy, pool_put)  # before any replay, as the other names are
-        if router not in ROUTERS:
-            raise KvbenchError(f"unknown router {router!r}; choose from: {', '.join(ROUTERS)}")
-        loaded = load_specs(specs) if specs else None
-        self.hw, self.model = resolve_hardware(hardware, loaded), resolve_model(model, loaded)
-        calib = _calibration(calibration) if calibration else None
-        self.latency = LatencyModel(self.model, self.hw, kv_dtype=kv_dtype, mfu=mfu, mbu=mbu, calibration=calib)
-        self.sched = Scheduler(max_num_seqs, max_num_batched_tokens, *_preemption(preemption))
+        c, scenario_options = options.build(EngineSimConfig, config, kwargs)
+        self.options = c
+        self.policies = _policies.parse_names(c.policy)
+        check_store_options(c.pool_policy, c.pool_put)  # before any replay, as the other names are
+        if c.router not in ROUTERS:
+            raise KvbenchError(f"unknown router {c.router!r}; choose from: {', '.join(ROUTERS)}")
+        loaded = load_specs(c.specs) if c.specs else None
+        self.hw, self.model = resolve_hardware(c.hardware, loaded), resolve_model(c.model, loaded)
+        calib = _calibration(c.calibration) if c.calibration else None
+        self.latency = LatencyModel(self.model, self.hw, kv_dtype=c.kv_dtype, mfu=c.mfu, mbu=c.mbu, calibration=calib)
+        self.sched = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, *_preemption(c.preemption))
         self.settings = {
-            "policies": self.policies,
-            "hardware": self.hw.name,
-            "model": self.model.name,
-            "specs": specs,
-            "kv_dtype": kv_dtype,
-            "instances": instances,
-            "router": router,
-            "hbm_capacity": hbm_capacity,
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "preemption": preemption,
-            "dram": dram,
-            "ssd": ssd,
-            "global_pool": global_pool,
-            "pool_bandwidth_gbps": pool_bandwidth,
-            "pool_put": pool_put,
-            "pool_policy": pool_policy,
-            "write_through": write_through,
-            "closed_loop": closed_loop,
-            "max_concurrency": max_concurrency,
-            "mfu": mfu,
-            "mbu": mbu,
-            "calibration": calib and vars(calib),
-            "salt": salt,
-            "share_lora_kv": share_lora_kv,
+            **options.record(
+                c, policy=self.policies, hardware=self.hw.name, model=self.model.name, calibration=calib and vars(calib)
+            ),
             # scenario options not given (a call from Python rather than the CLI) take their declared defaults
             **{o.name: _declared_default(o) for sc in _scenarios.registry().values() for o in sc.options},
             **scenario_options,
         }
         self.scenarios = _scenarios.active(self.settings)  # checks the scenario options now, before any replay
-        self.kv_dtype = kv_dtype
-        for key in ("hbm_capacity", "dram", "ssd", "global_pool"):  # sizes too (not 'less than a block': no trace yet)
+        self.kv_dtype = c.kv_dtype
+        fields = {f.name: f for f in dataclasses.fields(EngineSimConfig)}
+        for key in TIER_OPTIONS:  # sizes too (not 'less than a block': no trace yet)
             if str(self.settings[key] or "0").strip() != "0":
                 model = self.model.name if self.model.name in MODELS else None
-                parse_capacity(str(self.settings[key]), 1, model, kv_dtype, "--" + key.replace("_", "-"))
+                parse_capacity(str(self.settings[key]), 1, model, c.kv_dtype, options.flag_of(fields[key]))
 
     @classmethod
     def demo_options(cls, trace: pa.Table, meta: TraceMeta) -> dict:
@@ -316,8 +257,8 @@ class EngineSimBackend:
         for i in range(s["instances"]):
             cache = pol.cache(prep, pool_blocks, {})
             tiers = TierStack(
-                Tier("dram", self._blocks(s["dram"], bs, "--dram"), self.hw.host_to_device_bw),
-                Tier("ssd", self._blocks(s["ssd"], bs, "--ssd"), self.hw.ssd_to_device_bw),
+                Tier("dram", self._blocks(s["dram_capacity"], bs, "--dram-capacity"), self.hw.host_to_device_bw),
+                Tier("ssd", self._blocks(s["ssd_capacity"], bs, "--ssd-capacity"), self.hw.ssd_to_device_bw),
                 pool,
                 s["write_through"],
             )

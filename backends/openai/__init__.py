@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import click
 import numpy as np
@@ -25,6 +26,8 @@ from kvbench.live.latency import parse_slo
 from kvbench.live.pacing import Outcome, Pacing
 from kvbench.live.prompts import words
 from kvbench.redact import is_secret_name, redact
+from kvbench.run import options
+from kvbench.run.options import option
 from kvbench.trace.files import TraceMeta
 
 DEFAULT_VOCAB = 4096
@@ -33,147 +36,148 @@ PROMPT_BATCH_TOKENS = 1 << 18  # …and about this many tokens (~0.15 s of numpy
 PROMPT_BATCHES_KEPT = 8
 
 
+@dataclass
+class OpenAIConfig:
+    """The options of `kvbench replay --backend openai` (kvbench.run.options); the pacing options are
+    kvbench.live.pacing's."""
+
+    url: str | None = option(
+        None,
+        "server base URL, e.g. http://127.0.0.1:8011 (a trailing /v1 is allowed; user:key@ in it is sent as basic "
+        "auth, never recorded; env KVBENCH_URL; `kvbench engine status` shows local engines)",
+        unit="URL",
+        envvar="KVBENCH_URL",
+    )
+    served_model: str | None = option(
+        None,
+        "the served model's name to request [default: the first of GET /v1/models]; a request with a LoRA adapter "
+        "asks for the adapter instead",
+        unit="name",
+        old=["--model"],  # --model is a model geometry preset in every other backend
+    )
+    endpoint: str = option(
+        "completions",
+        "completions: token-id prompts (exact on any model); chat: text of one-token words (exact only with "
+        "kvbench's tiny word-level model)",
+        unit="name",
+        type=click.Choice(["completions", "chat"]),
+    )
+    api_key_env: str = option(
+        DEFAULT_KEY_ENV,
+        "environment variable that holds the API key, sent as a bearer token (never stored in results); the "
+        "default may be unset (no key), another variable named here must be set",
+        unit="name",
+    )
+    headers: tuple = option(
+        (),
+        "an HTTP header sent with every request and discovery call (repeatable), e.g. --header 'X-Api-Key: …'; "
+        "values of secret-named headers (Authorization, *-Key, *-Token) are never recorded",
+        unit="text",
+        flag="--header",
+        multiple=True,
+        metavar="'NAME: VALUE'",
+        show_default=False,
+    )
+    timeout_s: float = option(
+        600.0, "time a request may take in all before it counts as a timeout", unit="s", flag="--timeout",
+        type=click.FloatRange(min=0, min_open=True),
+    )  # fmt: skip
+    vocab: int = option(
+        DEFAULT_VOCAB, "synthesised token ids are below this (at most the model's vocabulary size)", unit="token ids",
+        type=click.IntRange(min=64),
+    )  # fmt: skip
+    send_salt: bool = option(
+        True, "send the trace's cache_salt in the request body (vLLM's cache isolation)", unit="on/off",
+        flag="--send-salt/--no-send-salt",
+    )  # fmt: skip
+    slo: str | None = option(None, "goodput targets, e.g. ttft=500,tpot=50,e2el=20000", unit="ms")
+    engine_block_size: int | None = option(
+        None,
+        "the server's KV block size, recorded so that `kvbench compare` can re-cut the trace for a simulator "
+        "prediction [default: from `kvbench engine` state]",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    max_output_tokens: int | None = option(
+        None,
+        "cap each request's output tokens (default: the trace's output_tokens); prefix-cache checks need no long "
+        "decodes",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    reset_prefix_cache: bool = option(
+        False,
+        "POST /reset_prefix_cache before the run (vLLM with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache), so that "
+        "earlier traffic cannot hit",
+        unit="on/off",
+        is_flag=True,
+    )
+    send_lora: bool = option(
+        True,
+        "ask for the request's LoRA adapter as the model; --no-send-lora sends every request to the base model "
+        "(simulate it with --share-lora-kv)",
+        unit="on/off",
+        flag="--send-lora/--no-send-lora",
+    )
+
+
+# the units of the pacing options (declared in kvbench.live.pacing), stated in --help
+PACING_UNITS = {
+    "mode": "name",
+    "time_scale": "unitless factor",
+    "rate": "requests/s",
+    "burstiness": "unitless gamma shape",
+    "max_concurrency": "requests",
+    "duration_s": "s",
+    "max_requests": "requests",
+    "warmup_requests": "requests",
+    "seed": "unitless",
+}
+
+
 class OpenAIBackend:
     name = "openai"
     kind = "online"  # kvbench.run.backend.OnlineBackend
+    Config = OpenAIConfig
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
-        return [
-            click.Option(
-                ["--url"],
-                envvar="KVBENCH_URL",
-                help="server base URL, e.g. http://127.0.0.1:8011 (a trailing /v1 is allowed; user:key@ in it is "
-                "sent as basic auth, never recorded; env KVBENCH_URL; `kvbench engine status` shows local engines)",
-            ),
-            click.Option(
-                ["--model"],
-                help="model name to request [default: the first of GET /v1/models]; a "
-                "request with a LoRA adapter asks for the adapter instead",
-            ),
-            click.Option(
-                ["--endpoint"],
-                type=click.Choice(["completions", "chat"]),
-                default="completions",
-                show_default=True,
-                help="completions: token-id prompts (exact on any model); chat: "
-                "text of one-token words (exact only with kvbench's tiny word-level model)",
-            ),
-            click.Option(
-                ["--api-key-env"],
-                default=DEFAULT_KEY_ENV,
-                show_default=True,
-                help="environment variable that holds the API key, sent as a bearer token (never stored in "
-                "results); the default may be unset (no key), another variable named here must be set",
-            ),
-            click.Option(
-                ["--header", "headers"],
-                multiple=True,
-                metavar="'NAME: VALUE'",
-                help="an HTTP header sent with every request and discovery call (repeatable), e.g. "
-                "--header 'X-Api-Key: …'; values of secret-named headers (Authorization, *-Key, *-Token) are "
-                "never recorded",
-            ),
-            click.Option(
-                ["--timeout", "timeout_s"],
-                type=click.FloatRange(min=0, min_open=True),
-                default=600.0,
-                show_default=True,
-                help="seconds a request may take in all before it counts as a timeout",
-            ),
-            click.Option(
-                ["--vocab"],
-                type=click.IntRange(min=64),
-                default=DEFAULT_VOCAB,
-                show_default=True,
-                help="synthesised token ids are below this (at most the model's vocabulary size)",
-            ),
-            click.Option(
-                ["--send-salt/--no-send-salt"],
-                default=True,
-                show_default=True,
-                help="send the trace's cache_salt in the request body (vLLM's cache isolation)",
-            ),
-            click.Option(
-                ["--max-output-tokens"],
-                type=click.IntRange(min=1),
-                help="cap each request's output tokens (tokens; default: the trace's output_tokens); "
-                "prefix-cache checks need no long decodes",
-            ),
-            click.Option(
-                ["--send-lora/--no-send-lora"],
-                default=True,
-                show_default=True,
-                help="ask for the request's LoRA adapter as the model; --no-send-lora sends every request to the "
-                "base model (simulate it with --share-lora-kv)",
-            ),
-            click.Option(
-                ["--reset-prefix-cache"],
-                is_flag=True,
-                help="POST /reset_prefix_cache before the run (vLLM with VLLM_SERVER_DEV_MODE=1, SGLang "
-                "/flush_cache), so that earlier traffic cannot hit",
-            ),
-            click.Option(["--slo"], help="goodput targets in milliseconds, e.g. ttft=500,tpot=50,e2el=20000"),
-            click.Option(
-                ["--engine-block-size"],
-                type=click.IntRange(min=1),
-                help="the server's KV block size in tokens, recorded so that `kvbench compare` can "
-                "re-cut the trace for a simulator prediction [default: from `kvbench engine` state]",
-            ),
-            *Pacing.cli_options(),
-        ]
+        return options.cli_options(OpenAIConfig) + options.with_units(Pacing.cli_options(), PACING_UNITS)
 
-    def __init__(
-        self,
-        url=None,
-        model=None,
-        endpoint="completions",
-        api_key_env=DEFAULT_KEY_ENV,
-        headers=(),
-        timeout_s=600.0,
-        vocab=DEFAULT_VOCAB,
-        send_salt=True,
-        slo=None,
-        engine_block_size=None,
-        max_output_tokens=None,
-        reset_prefix_cache=False,
-        send_lora=True,
-        **pacing,
-    ):
-        if not url:
+    def __init__(self, config: OpenAIConfig | None = None, **kwargs):
+        """`config`, or its fields as keyword arguments; the other keywords are the pacing options."""
+        c, pacing = options.build(OpenAIConfig, config, kwargs)
+        if not c.url:
             raise KvbenchError("give the server with --url http://HOST:PORT (or start one: kvbench engine up vllm-cpu)")
-        self.address = ServerAddress(url)
-        self.url, self.model, self.endpoint = self.address.base, model, endpoint  # url: no credentials in it
-        self.headers = parse_headers(headers)
-        self.api_key_env = api_key_env or DEFAULT_KEY_ENV
+        self.options = c
+        self.address = ServerAddress(c.url)
+        # url: no credentials in it; model: the served name, found on the server when not given
+        self.url, self.model, self.endpoint = self.address.base, c.served_model, c.endpoint
+        self.headers = parse_headers(c.headers)
+        self.api_key_env = c.api_key_env or DEFAULT_KEY_ENV
         api_key(self.api_key_env)  # an unset variable the user named stops here; the key is read again in connect()
-        self.timeout_s, self.vocab, self.send_salt = timeout_s, vocab, send_salt
-        self.slo = parse_slo(slo)
-        self.engine_block_size = engine_block_size
-        self.max_output_tokens = max_output_tokens
-        self.reset_prefix_cache = reset_prefix_cache
-        self.send_lora = send_lora
+        self.timeout_s, self.vocab, self.send_salt = c.timeout_s, c.vocab, c.send_salt
+        self.slo = parse_slo(c.slo)
+        self.engine_block_size = c.engine_block_size
+        self.max_output_tokens = c.max_output_tokens
+        self.reset_prefix_cache = c.reset_prefix_cache
+        self.send_lora = c.send_lora
         self.pacing = Pacing(**{k: v for k, v in pacing.items() if v is not None})
         self.server: dict = {}
 
     def config(self) -> dict:
         # summary.json holds this: credentials masked (the URL's user-info, secret headers), then every string
         # passed through redact() in case a value looks like a secret the rules above did not name
-        return redact({
-            "url": self.address.shown(),
-            "model": self.model,
-            "endpoint": self.endpoint,
-            "api_key_env": self.api_key_env,  # the variable's name only, never its value
-            "headers": shown_headers(self.headers),
-            "timeout_s": self.timeout_s,
-            "vocab": self.vocab,
-            "send_salt": self.send_salt,
-            "slo": self.slo,
-            "engine_block_size": self.engine_block_size,
-            "max_output_tokens": self.max_output_tokens,
-            "send_lora": self.send_lora,
-            "pacing": vars(self.pacing),
-        })  # fmt: skip
+        return redact(
+            options.record(
+                self.options,
+                url=self.address.shown(),
+                api_key_env=self.api_key_env,  # the variable's name only, never its value
+                headers=shown_headers(self.headers),
+                slo=self.slo,
+                pacing=vars(self.pacing),
+            )
+        )
 
     @contextlib.asynccontextmanager
     async def connect(self, trace: pa.Table, meta: TraceMeta, origin: float):

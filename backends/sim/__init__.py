@@ -4,6 +4,7 @@ time in arrival order; each policy x capacity is one point; the Belady bound run
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import click
 import numpy as np
@@ -15,77 +16,74 @@ from kvbench.cache.policies import SimOutput
 from kvbench.cache.policy_options import check_quota_tenants, parse_policy_options, policy_option_params
 from kvbench.cache.prepared import PreparedTrace, prepare
 from kvbench.errors import KvbenchError
+from kvbench.run import options
 from kvbench.run.backend import PointResult, StreamedPoint
+from kvbench.run.options import option
 from kvbench.trace.files import TraceMeta
 
 BOUND = "belady"
 CURVE_POINTS = 96  # capacities sampled from the one-pass curve for the summary and the plot
 
 
+def _policy_help() -> str:
+    listing = ", ".join(f"{n} ({p.summary.rstrip('.')})" for n, p in _policies.registry().items())
+    return f"eviction policy, or several separated by commas: {listing}"
+
+
+@dataclass
+class SimConfig:
+    """The options of `kvbench replay --backend sim` (kvbench.run.options): flags, help, config() keys."""
+
+    policy: str = option("lru", _policy_help, unit="name(s)", key="policies")
+    capacity: str | None = option(
+        None,
+        "cache size(s), comma-separated: blocks (10000), tokens (5M tok) or bytes (40GiB, needs --model); a list "
+        "makes a sweep. For vllm: the engine's KV blocks (num_gpu_blocks), one of which is its null block",
+        unit="blocks, tokens or bytes",
+    )
+    model: str | None = option(
+        None,
+        "model geometry preset that converts byte capacities to tokens (KV bytes per token)",
+        unit="name",
+        type=click.Choice(list(MODELS)),
+    )
+    kv_dtype: str = option(
+        "bf16", "KV cache element type: scales bytes per token", unit="name", type=click.Choice(list(KV_DTYPE_BYTES))
+    )
+    curve: bool = option(
+        False,
+        "the full hit-rate-vs-capacity curve of lru in one pass (stack distances), with the Belady bound at a few "
+        "capacities",
+        unit="on/off",
+        is_flag=True,
+    )
+    bound: bool = option(
+        True, "also run the Belady optimum at the same capacities (the upper bound)", unit="on/off",
+        flag="--bound/--no-bound",
+    )  # fmt: skip
+    salt: bool = option(
+        True, "fold cache_salt into cache keys (tenants with different salts never share blocks)", unit="on/off",
+        flag="--salt/--no-salt",
+    )  # fmt: skip
+    share_lora_kv: bool = option(
+        False,
+        "let requests of different LoRA adapters share KV (default: the adapter is in the key)",
+        unit="on/off",
+        is_flag=True,
+    )
+    reference: bool = option(
+        False, "use the pure-Python reference implementations (slow; for verification)", unit="on/off", is_flag=True
+    )
+
+
 class SimBackend:
     name = "sim"
     kind = "streaming"  # kvbench.run.backend.StreamingBackend
+    Config = SimConfig
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
-        pols = _policies.registry()
-        listing = ", ".join(f"{n} ({p.summary.rstrip('.')})" for n, p in pols.items())
-        opts = [
-            click.Option(
-                ["--policy"],
-                default="lru",
-                show_default=True,
-                help=f"eviction policy, or several separated by commas: {listing}",
-            ),
-            click.Option(
-                ["--capacity"],
-                help="cache size(s), comma-separated: blocks (10000), tokens (5M tok) or "
-                "bytes (40GiB, needs --model); a list makes a sweep. For vllm: the engine's KV blocks "
-                "(num_gpu_blocks), one of which is its null block",
-            ),
-            click.Option(
-                ["--model"],
-                type=click.Choice(list(MODELS)),
-                help="model geometry that converts byte capacities to tokens (KV bytes per token)",
-            ),
-            click.Option(
-                ["--kv-dtype"],
-                type=click.Choice(list(KV_DTYPE_BYTES)),
-                default="bf16",
-                show_default=True,
-                help="KV cache element type: scales bytes per token",
-            ),
-            click.Option(
-                ["--curve"],
-                is_flag=True,
-                help="the full hit-rate-vs-capacity curve of lru in one "
-                "pass (stack distances), with the Belady bound at a few capacities",
-            ),
-            click.Option(
-                ["--bound/--no-bound"],
-                default=True,
-                show_default=True,
-                help="also run the Belady optimum at the same capacities (the upper bound)",
-            ),
-            click.Option(
-                ["--salt/--no-salt"],
-                default=True,
-                show_default=True,
-                help="fold cache_salt into cache keys (tenants with different salts never share blocks)",
-            ),
-            click.Option(
-                ["--share-lora-kv"],
-                is_flag=True,
-                help="let requests of different LoRA adapters share KV (default: the adapter is in the key)",
-            ),
-            click.Option(
-                ["--reference"],
-                is_flag=True,
-                help="use the pure-Python reference implementations (slow; for verification)",
-            ),
-        ]
-        opts += policy_option_params()
-        return opts
+        return options.cli_options(SimConfig) + policy_option_params()
 
     DEMO_POLICIES = "lru,radix-lru,s3fifo,vllm"
     DEMO_CAPACITY_SHARES = (0.05, 0.2, 0.5)  # of the trace's distinct blocks: tight, middling, roomy
@@ -100,46 +98,26 @@ class SimBackend:
         caps = sorted({max(16, int(unique * s)) for s in cls.DEMO_CAPACITY_SHARES})
         return {"policy": cls.DEMO_POLICIES, "capacity": ",".join(map(str, caps)), "curve": True}
 
-    def __init__(
-        self,
-        policy="lru",
-        capacity=None,
-        model=None,
-        kv_dtype="bf16",
-        curve=False,
-        bound=True,
-        salt=True,
-        share_lora_kv=False,
-        reference=False,
-        **policy_options,
-    ):
+    def __init__(self, config: SimConfig | None = None, **kwargs):
+        """`config`, or its fields as keyword arguments; the other keywords are policy options (--quota, …)."""
+        cfg, policy_options = options.build(SimConfig, config, kwargs)
         known = _policies.registry()
-        self.policies = _policies.parse_names(policy)
-        if capacity is None and not curve:
+        self.options = cfg
+        self.policies = _policies.parse_names(cfg.policy)
+        if cfg.capacity is None and not cfg.curve:
             raise KvbenchError("give --capacity (e.g. --capacity 10000 or 1000,3000,10000) or --curve")
-        if curve and not any(known[p].stack for p in self.policies):
+        if cfg.curve and not any(known[p].stack for p in self.policies):
             stack = ", ".join(n for n, p in known.items() if p.stack)
-            raise KvbenchError(f"--curve needs a stack policy ({stack}); got --policy {policy}")
-        if capacity is not None:  # everything but 'less than one block', which needs the trace's block size
-            check_capacities(capacity, model, kv_dtype)
-        self.capacity_spec, self.model, self.kv_dtype = capacity, model, kv_dtype
-        self.curve, self.bound, self.salt, self.share_lora_kv = curve, bound, salt, share_lora_kv
-        self.reference = reference
+            raise KvbenchError(f"--curve needs a stack policy ({stack}); got --policy {cfg.policy}")
+        if cfg.capacity is not None:  # everything but 'less than one block', which needs the trace's block size
+            check_capacities(cfg.capacity, cfg.model, cfg.kv_dtype)
+        self.capacity_spec, self.model, self.kv_dtype = cfg.capacity, cfg.model, cfg.kv_dtype
+        self.curve, self.bound, self.salt, self.share_lora_kv = cfg.curve, cfg.bound, cfg.salt, cfg.share_lora_kv
+        self.reference = cfg.reference
         self.policy_options = parse_policy_options(policy_options, self.policies)
 
     def config(self) -> dict:
-        return {
-            "policies": self.policies,
-            "capacity": self.capacity_spec,
-            "model": self.model,
-            "kv_dtype": self.kv_dtype,
-            "curve": self.curve,
-            "bound": self.bound,
-            "salt": self.salt,
-            "share_lora_kv": self.share_lora_kv,
-            "reference": self.reference,
-            "policy_options": self.policy_options,
-        }
+        return options.record(self.options, policy=self.policies, policy_options=self.policy_options)
 
     @staticmethod
     def _check_needs(pol, filled) -> None:

@@ -14,6 +14,16 @@ import click
 from kvbench.cache import policies as _policies
 from kvbench.errors import KvbenchError
 from kvbench.run.backend import PolicyOption
+from kvbench.run.options import tagged
+
+# the unit of each policy option, stated in --help (docs/architecture.md, Options); a policy that adds an
+# option adds its unit here (tests/unit/test_options.py checks that every option states one)
+UNITS = {
+    "quota": "share of the capacity 0-1, or blocks",
+    "small_fraction": "share of the capacity, 0-1",
+    "priority_duration_requests": "requests",
+    "priority_duration_s": "s (trace time)",
+}
 
 
 def flag(name: str) -> str:
@@ -29,7 +39,9 @@ def policy_option_params() -> list[click.Option]:
             if oname not in seen:
                 seen.add(oname)
                 takers = frozenset(p for p, other in registry.items() if oname in other.options)
-                opts.append(PolicyOption([flag(oname), oname], default=None, help=f"[{pname}] {help}", policies=takers))
+                text = f"[{pname}] {help}"
+                text = tagged(text, UNITS[oname]) if oname in UNITS else text
+                opts.append(PolicyOption([flag(oname), oname], default=None, help=text, policies=takers))
     return opts
 
 
