@@ -140,6 +140,33 @@ def private_imports(found: list[Import]) -> list[tuple[str, str, str]]:
     return sorted(set(bad))
 
 
+def private_attributes(roots: dict[str, Path] = ROOTS) -> list[tuple[str, str, str]]:
+    """(module, other module, name) for each `other._name` read through a module imported whole (`import a.b as
+    m` or `from a import b`, b a module): the same reach into another module's privates as `from a.b import _x`."""
+    known = modules(roots)
+    bad = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        bound = {}  # local name -> module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                bound.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in known:
+                        bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and _private(node.attr)
+                and bound[node.value.id] != name
+            ):
+                bad.append((name, bound[node.value.id], node.attr))
+    return sorted(set(bad))
+
+
 def cycles(found: list[Import], within: str = "kvbench") -> list[frozenset[str]]:
     """The import cycles among the modules named `within`... (not backends): the strongly connected components
     of more than one module (Tarjan's algorithm), function-level imports counted."""
@@ -209,6 +236,10 @@ def test_no_private_name_is_imported_from_another_module(found):
     assert stale == set(), "fixed: remove these from KNOWN_PRIVATE_IMPORTS"
 
 
+def test_no_private_name_is_read_through_another_module():
+    assert private_attributes() == [], "make the name public where it is defined, or move it"
+
+
 def test_the_core_has_no_import_cycle(found):
     got = set(cycles(found))
     assert {tuple(sorted(c)) for c in got - set(KNOWN_CYCLES)} == set()
@@ -236,6 +267,7 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
             "kvbench/trace/scan.py": "from kvbench.trace.files import _open\n",
             "kvbench/trace/_helper.py": "",
             "kvbench/trace/ok.py": "from kvbench.trace._helper import x\nfrom .files import open_file\n",
+            "kvbench/trace/peek.py": "from kvbench.trace import files\n\nfiles._open()\n",
             "kvbench/cache/__init__.py": "from kvbench.trace._helper import y\n",
             "kvbench/run/runner.py": "import kvbench.backends.sim\n",
             "backends/__init__.py": "",
@@ -252,3 +284,4 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
         ("kvbench.trace.scan", "kvbench.trace.files", "_open"),
     ]
     assert cycles(found) == [frozenset({"kvbench.trace.files", "kvbench.trace.scan"})]
+    assert private_attributes(roots) == [("kvbench.trace.peek", "kvbench.trace.files", "_open")]
