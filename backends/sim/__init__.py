@@ -144,9 +144,9 @@ class SimBackend:
         for pol in pols:
             self._check_needs(pol, filled)
         if "quota" in self.policy_options:
-            from kvbench.cache.prepared import tenant_codes
+            from kvbench.cache.prepared import _tenant_codes
 
-            check_quota_tenants(self.policy_options, tenant_codes(trace, None)[1])
+            check_quota_tenants(self.policy_options, _tenant_codes(trace, None)[1])
         prepared = {}
 
         def prepared_for(name):
