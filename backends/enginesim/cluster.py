@@ -83,121 +83,162 @@ def simulate(
     predecessors arrives when the last of them finishes plus its think time. `max_in_flight`: the client's
     concurrency limit (as `--max-concurrency` of a live replay): a request due while that many are in flight is
     sent when one finishes, and its latencies count from then. Returns the KV timeline."""
-    pick = ROUTERS[route]
-    state: dict = {}
-    seq = itertools.count()
-    arrivals: list = []  # (time, seq, req): kept apart from iterations so an instance knows the next one
-    steps: list = []  # (time, seq, (instance, pieces, decoding, n))
-    waiting_for = None
-    if successors is not None:
-        waiting_for = np.zeros(len(reqs), dtype=np.int64)
-        for succ in successors:
+    return Cluster(instances, reqs, route, successors, think, scenarios, max_in_flight).run()
+
+
+class Cluster:
+    """The event loop of `simulate`. Two heaps of timed events: `arrivals` (requests reaching the scheduler,
+    and scenarios' timed events) and `steps` (an instance's iteration ending), kept apart so that an instance
+    knows the next arrival; ties go to arrivals, then to the order events were made in (`seq`)."""
+
+    def __init__(self, instances, reqs, route, successors, think, scenarios, max_in_flight):
+        self.instances, self.reqs, self.scenarios = instances, reqs, scenarios
+        self.successors, self.think, self.max_in_flight = successors, think, max_in_flight
+        self.pick = ROUTERS[route]
+        self.router_state: dict = {}
+        self.seq = itertools.count()
+        self.arrivals: list = []  # (time, seq, req or a scenario's fn(t))
+        self.steps: list = []  # (time, seq, (instance, pieces, decoding, n))
+        self.cancelled: set[int] = set()  # seq of the steps that `cut` replaced
+        self.in_flight = 0
+        self.held: deque[Req] = deque()  # due, but the client's concurrency limit holds them back
+        # a calibrated model's per-request overhead (HTTP, tokenising, the hand-off to the engine core): a
+        # request reaches the scheduler that long after it is sent, and its TTFT, measured from the send,
+        # includes the wait
+        self.entry_delay = instances[0].latency.request_overhead_s if instances else 0.0
+        self.waiting_for = self._count_predecessors()
+        self._schedule_first_arrivals()
+        span = max((r.arrival for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
+        self.sample_every = max(span, 1e-3) / TIMELINE_POINTS
+        self.next_sample = 0.0
+        self.timeline = {"t_s": [], "kv_usage": [], "running": [], "waiting": []}
+
+    def _count_predecessors(self) -> np.ndarray | None:
+        """How many requests each row still waits for (closed loop), or None (open loop)."""
+        if self.successors is None:
+            return None
+        waiting_for = np.zeros(len(self.reqs), dtype=np.int64)
+        for succ in self.successors:
             for s in succ:
                 waiting_for[s] += 1
-    for r in reqs:
-        if waiting_for is None or waiting_for[r.row] == 0:
-            arrivals.append((r.arrival, next(seq), r))
-    # a calibrated model's per-request overhead (HTTP, tokenising, the hand-off to the engine core): a request
-    # reaches the scheduler that long after it is sent, and its TTFT, measured from the send, includes the wait
-    entry_delay = instances[0].latency.request_overhead_s if instances else 0.0
-    if entry_delay:
-        arrivals = [(t + entry_delay, s, r) for t, s, r in arrivals]
-    heapq.heapify(arrivals)
+        return waiting_for
 
-    def schedule(when: float, fn) -> None:  # a scenario's timed event: fn(t) runs at simulated time `when`
-        heapq.heappush(arrivals, (when, next(seq), fn))
+    def _schedule_first_arrivals(self) -> None:
+        """The requests that wait for nothing arrive at their trace time; the scenarios' timers are set."""
+        first = self.reqs if self.waiting_for is None else [r for r in self.reqs if self.waiting_for[r.row] == 0]
+        self.arrivals = [(r.arrival + self.entry_delay, next(self.seq), r) for r in first]
+        heapq.heapify(self.arrivals)
+        for sc in self.scenarios:
+            for when, fn in sc.timers(self.schedule):
+                self.schedule(when, fn)
 
-    for sc in scenarios:
-        for when, fn in sc.timers(schedule):
-            schedule(when, fn)
-    span = max((r.arrival for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
-    every = max(span, 1e-3) / TIMELINE_POINTS
-    timeline = {"t_s": [], "kv_usage": [], "running": [], "waiting": []}
-    next_sample = 0.0
+    def schedule(self, when: float, fn) -> None:
+        """A scenario's timed event: fn(t) runs at simulated time `when`."""
+        heapq.heappush(self.arrivals, (when, next(self.seq), fn))
 
-    def start(inst: Instance, t: float) -> None:
+    def run(self) -> dict:
+        while self.arrivals or self.steps:
+            if self.arrivals and (not self.steps or self.arrivals[0][0] <= self.steps[0][0]):
+                self._arrive(*heapq.heappop(self.arrivals))
+            else:
+                self._end_step(*heapq.heappop(self.steps))
+        return self.timeline
+
+    def _arrive(self, t: float, _, req) -> None:
+        """A request reaches the scheduler (unless the client's limit holds it back): routed, queued, and the
+        instance started or its multi-iteration window cut."""
+        if callable(req):  # a scenario's timed event (an instance coming up, a user's KV deleted)
+            req(t)
+            return
+        if self.max_in_flight and req.scheduled < 0 and not req.handoff and not self._admit(req):
+            return
+        candidates = self.instances
+        for sc in self.scenarios:
+            candidates = sc.candidates(candidates, req, t)
+        inst = self.pick(candidates, req, self.router_state)
+        req.instance = inst.index
+        inst.routed += 1
+        inst.enqueue(req)
+        if not inst.busy:
+            self.start(inst, t)
+        elif inst.window[3] > 1:
+            self.cut(inst, t)
+
+    def _admit(self, req: Req) -> bool:
+        """The client's concurrency limit: a request due while it is reached is held until one finishes."""
+        if self.in_flight >= self.max_in_flight:
+            req.scheduled = -2.0  # (marks it held until send() gives it its send time)
+            self.held.append(req)
+            return False
+        req.scheduled = req.arrival
+        self.in_flight += 1
+        return True
+
+    def send(self, req: Req, t: float) -> None:
+        """The client sends a held request now: it reaches the scheduler after the per-request overhead."""
+        req.scheduled, req.arrival = req.arrival, t
+        heapq.heappush(self.arrivals, (t + self.entry_delay, next(self.seq), req))
+
+    def start(self, inst: Instance, t: float) -> None:
+        """Plan `inst`'s next iteration (or several decode iterations as one window), or leave it idle."""
         dt, pieces, decoding, n = inst.plan(t)
         if not pieces and not decoding:
             inst.busy = False
             return
         inst.busy = True
-        token = next(seq)
+        token = next(self.seq)
         inst.window = (token, t, dt / n, n, pieces, decoding)
-        heapq.heappush(steps, (t + dt, token, (inst, pieces, decoding, n)))
+        heapq.heappush(self.steps, (t + dt, token, (inst, pieces, decoding, n)))
 
-    def cut(inst: Instance, t: float) -> None:
+    def cut(self, inst: Instance, t: float) -> None:
         """A request arrived while `inst` runs several decode iterations as one: end the window after the
         iteration in progress, so the newcomer is scheduled at the next iteration boundary as in an engine."""
         token, begun, per, n, pieces, decoding = inst.window
         done = min(n, int((t - begun) / per) + 1) if per > 0 else n
         if done < n:
-            cancelled.add(token)
-            token = next(seq)
+            self.cancelled.add(token)
+            token = next(self.seq)
             inst.window = (token, begun, per, done, pieces, decoding)
-            heapq.heappush(steps, (begun + done * per, token, (inst, pieces, decoding, done)))
+            heapq.heappush(self.steps, (begun + done * per, token, (inst, pieces, decoding, done)))
 
-    cancelled: set[int] = set()
-    in_flight = 0
-    held: deque[Req] = deque()  # due, but the client's concurrency limit holds them back
-
-    def send(req: Req, t: float) -> None:
-        """The client sends a held request now: it reaches the scheduler after the per-request overhead."""
-        req.scheduled, req.arrival = req.arrival, t
-        heapq.heappush(arrivals, (t + entry_delay, next(seq), req))
-
-    while arrivals or steps:
-        if arrivals and (not steps or arrivals[0][0] <= steps[0][0]):
-            t, _, req = heapq.heappop(arrivals)
-            if callable(req):  # a scenario's timed event (an instance coming up, a user's KV deleted)
-                req(t)
-                continue
-            if max_in_flight and req.scheduled < 0 and not req.handoff:
-                if in_flight >= max_in_flight:
-                    req.scheduled = -2.0  # (marks it held until send() gives it its send time)
-                    held.append(req)
-                    continue
-                req.scheduled = req.arrival
-                in_flight += 1
-            candidates = instances
-            for sc in scenarios:
-                candidates = sc.candidates(candidates, req, t)
-            inst = pick(candidates, req, state)
-            req.instance = inst.index
-            inst.routed += 1
-            inst.enqueue(req)
-            if not inst.busy:
-                start(inst, t)
-            elif inst.window[3] > 1:
-                cut(inst, t)
-            continue
-        t, token, (inst, pieces, decoding, n) = heapq.heappop(steps)
-        if token in cancelled:
-            cancelled.discard(token)
-            continue
+    def _end_step(self, t: float, token: int, step) -> None:
+        """An instance's iteration (or window) ends: finished requests free the client's slots and release
+        what waited for them, prefills hand off, and the instance starts its next iteration."""
+        if token in self.cancelled:
+            self.cancelled.discard(token)
+            return
+        inst, pieces, decoding, n = step
         finished = inst.finish_step(t, pieces, decoding, n)
-        if max_in_flight:
-            in_flight -= len(finished) + len(inst.rejected) - inst.rejected_seen
+        if self.max_in_flight:
+            self.in_flight -= len(finished) + len(inst.rejected) - inst.rejected_seen
             inst.rejected_seen = len(inst.rejected)
-            while held and in_flight < max_in_flight:
-                in_flight += 1
-                send(held.popleft(), t)
+            while self.held and self.in_flight < self.max_in_flight:
+                self.in_flight += 1
+                self.send(self.held.popleft(), t)
         for req in inst.handed:  # disaggregated prefill done: the KV crosses the link, then decode elsewhere
-            delay = sum(sc.handoff_s(req) for sc in scenarios)
-            heapq.heappush(arrivals, (t + delay, next(seq), req))
+            delay = sum(sc.handoff_s(req) for sc in self.scenarios)
+            heapq.heappush(self.arrivals, (t + delay, next(self.seq), req))
         inst.handed.clear()
-        for done in finished:
-            if successors is not None:
-                for s in successors[done.row]:
-                    waiting_for[s] -= 1
-                    if waiting_for[s] == 0:
-                        succ = reqs[s]
-                        succ.arrival = max(succ.arrival, t + float(think[s]))
-                        heapq.heappush(arrivals, (succ.arrival + entry_delay, next(seq), succ))
-        if t >= next_sample:
-            timeline["t_s"].append(round(t, 6))
-            timeline["kv_usage"].append(float(np.mean([i.occupancy() for i in instances])))
-            timeline["running"].append(sum(len(i.running) for i in instances))
-            timeline["waiting"].append(sum(len(i.waiting) for i in instances))
-            next_sample = t + every
-        start(inst, t)
-    return timeline
+        if self.successors is not None:
+            for done in finished:
+                self._release_successors(done, t)
+        if t >= self.next_sample:
+            self._sample(t)
+        self.start(inst, t)
+
+    def _release_successors(self, done: Req, t: float) -> None:
+        """Closed loop: a row whose last predecessor finished arrives after its think time."""
+        for s in self.successors[done.row]:
+            self.waiting_for[s] -= 1
+            if self.waiting_for[s] == 0:
+                succ = self.reqs[s]
+                succ.arrival = max(succ.arrival, t + float(self.think[s]))
+                heapq.heappush(self.arrivals, (succ.arrival + self.entry_delay, next(self.seq), succ))
+
+    def _sample(self, t: float) -> None:
+        """One point of the KV timeline (about TIMELINE_POINTS over the trace's span)."""
+        self.timeline["t_s"].append(round(t, 6))
+        self.timeline["kv_usage"].append(float(np.mean([i.occupancy() for i in self.instances])))
+        self.timeline["running"].append(sum(len(i.running) for i in self.instances))
+        self.timeline["waiting"].append(sum(len(i.waiting) for i in self.instances))
+        self.next_sample = t + self.sample_every
