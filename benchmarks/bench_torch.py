@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvbench.trace import generators
 
 REQUESTS = 500
-OPTIONS = dict(capacity="1500", host_capacity="3000", disk_capacity="12000")
+OPTIONS = dict(capacity="1500", dram_capacity="3000", ssd_capacity="12000")
 
 
 class TorchReplay:

@@ -189,7 +189,7 @@ if [ "$T" -ge 30 ]; then
     # kvbench.cli has no __main__; this runs the `kvbench` console script's function with this python
     timeout -k 15 "$T" "$PY" -c "$ON_TERM
 from kvbench.cli import main; main()" replay traces/samples/chat.parquet --backend torch --device cuda \
-        --model llama3-8b --capacity "$R_CAP" --host-capacity "$R_HOST" --disk-capacity "$R_DISK" \
+        --model llama3-8b --capacity "$R_CAP" --dram-capacity "$R_HOST" --ssd-capacity "$R_DISK" \
         --disk-dir "$DISK_DIR" --decode-steps "$DECODE_STEPS" --compute --verify --no-report \
         --out "$OUT_DIR/replay" >>"$OUT_DIR/replay.log" 2>&1
     REPLAY_RC=$?

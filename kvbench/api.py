@@ -209,9 +209,9 @@ def sweep(grid=None, out=None, *, executor: str = "local", workers: int | None =
     warmup; each a list or 'a,b') and backend options passed to every point. One run directory per point under
     `out` (else reports/sweep-<time>); a rerun with the same `out` skips the finished points. `index`: write
     index.html comparing the points. Failed points are recorded in the manifest, not raised."""
-    from kvbench.cli.sweep import _sweep_dir, write_index
+    from kvbench.report.sweep import write_index
     from kvbench.run.executors import DEFAULT_RETRIES, ExecutorSettings
-    from kvbench.run.sweeps import Grid, run_sweep
+    from kvbench.run.sweeps import Grid, run_sweep, sweep_dir
 
     if grid is None:
         grid = _grid(axes)
@@ -219,7 +219,7 @@ def sweep(grid=None, out=None, *, executor: str = "local", workers: int | None =
         raise KvbenchError("give sweep() a Grid, or the grid's axes and options as keywords, not both")
     settings = ExecutorSettings(executor, workers, DEFAULT_RETRIES if retries is None else retries)
     settings.check()
-    out_dir = _sweep_dir(out)
+    out_dir = sweep_dir(out)
     manifest = run_sweep(grid, out_dir, executor=settings, command="kvbench.sweep(...)")
     if index:
         write_index(out_dir, manifest)
@@ -301,7 +301,7 @@ def _backend_options(backend: str, options: dict, stacklevel: int = 3, given_onl
     under its new name, with a DeprecationWarning `stacklevel` frames up (3: the caller of replay())."""
     import click
 
-    from kvbench.run.options import renamed, renamings_of
+    from kvbench.options import renamed, renamings_of
     from kvbench.run.plugins import load_backend
 
     params = load_backend(backend).cli_options()

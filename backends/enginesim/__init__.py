@@ -17,15 +17,15 @@ from kvbench.backends.enginesim import scenarios as _scenarios
 from kvbench.backends.enginesim.cluster import ROUTERS, simulate
 from kvbench.backends.enginesim.engine import Instance, Req, Scheduler
 
+from kvbench import options
 from kvbench.cache import policies as _policies
 from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
 from kvbench.cache.prepared import prepare
 from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 from kvbench.errors import KvbenchError
 from kvbench.live.latency import modeled_latency_summary
-from kvbench.run import options
+from kvbench.options import option
 from kvbench.run.backend import PointResult
-from kvbench.run.options import option
 from kvbench.trace.files import TraceMeta
 
 
@@ -39,7 +39,7 @@ def _share(default: float, help: str):
 
 @dataclass
 class EngineSimConfig:
-    """The options of `kvbench replay --backend engine-sim` (kvbench.run.options); the scenarios add theirs."""
+    """The options of `kvbench replay --backend engine-sim` (kvbench.options); the scenarios add theirs."""
 
     policy: str = option(
         "vllm",

@@ -21,13 +21,13 @@ import numpy as np
 import pyarrow as pa
 from kvbench.backends.openai.address import DEFAULT_KEY_ENV, ServerAddress, api_key, parse_headers, shown_headers
 
+from kvbench import options
 from kvbench.errors import KvbenchError
 from kvbench.live.latency import parse_slo
 from kvbench.live.pacing import Outcome, Pacing
 from kvbench.live.prompts import words
+from kvbench.options import option
 from kvbench.redact import is_secret_name, redact
-from kvbench.run import options
-from kvbench.run.options import option
 from kvbench.trace.files import TraceMeta
 
 DEFAULT_VOCAB = 4096
@@ -38,7 +38,7 @@ PROMPT_BATCHES_KEPT = 8
 
 @dataclass
 class OpenAIConfig:
-    """The options of `kvbench replay --backend openai` (kvbench.run.options); the pacing options are
+    """The options of `kvbench replay --backend openai` (kvbench.options); the pacing options are
     kvbench.live.pacing's."""
 
     url: str | None = option(

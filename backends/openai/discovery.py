@@ -34,12 +34,12 @@ async def _refused(where: str, resp: aiohttp.ClientResponse, sent_auth: bool, pr
 
 
 async def first_model(session: aiohttp.ClientSession, address: ServerAddress, sent_auth: bool) -> str:
-    """The first model of GET /v1/models (what a run asks for when --model is not given)."""
+    """The first model of GET /v1/models (what a run asks for when --served-model is not given)."""
     where = f"GET {address.shown()}/v1/models"
     try:
         async with session.get(address.base + "/v1/models") as resp:
             if resp.status != 200:
-                more = " Give --model NAME if the server has no /v1/models" if resp.status == 404 else ""
+                more = " Give --served-model NAME if the server has no /v1/models" if resp.status == 404 else ""
                 raise await _refused(where, resp, sent_auth, "cannot list models: ", more)
             text = await resp.text(errors="replace")
     except aiohttp.ClientError as exc:
@@ -56,13 +56,13 @@ async def first_model(session: aiohttp.ClientSession, address: ServerAddress, se
     if not models or not isinstance(models, list) or not isinstance(models[0], dict) or "id" not in models[0]:
         raise KvbenchError(
             f"cannot list models: {where} answered {resp.content_type}, not a model list: "
-            f"{one_line(text[:BODY_SHOWN])} (give --model NAME)"
+            f"{one_line(text[:BODY_SHOWN])} (give --served-model NAME)"
         )
     return models[0]["id"]
 
 
 async def check_reachable(session: aiohttp.ClientSession, address: ServerAddress, sent_auth: bool) -> None:
-    """With --model given, GET /v1/models only to learn before sending anything that the server is there and
+    """With --served-model given, GET /v1/models only to learn before sending anything that the server is there and
     takes the credentials (a server without a model list is fine)."""
     where = f"GET {address.shown()}/v1/models"
     try:

@@ -10,15 +10,15 @@ import click
 import numpy as np
 import pyarrow as pa
 
+from kvbench import options
 from kvbench.cache import policies as _policies
 from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, check_capacities, parse_capacities
 from kvbench.cache.policies import SimOutput
 from kvbench.cache.policy_options import check_quota_tenants, parse_policy_options, policy_option_params
 from kvbench.cache.prepared import PreparedTrace, prepare
 from kvbench.errors import KvbenchError
-from kvbench.run import options
+from kvbench.options import option
 from kvbench.run.backend import PointResult, StreamedPoint
-from kvbench.run.options import option
 from kvbench.trace.files import TraceMeta
 
 BOUND = "belady"
@@ -32,7 +32,7 @@ def _policy_help() -> str:
 
 @dataclass
 class SimConfig:
-    """The options of `kvbench replay --backend sim` (kvbench.run.options): flags, help, config() keys."""
+    """The options of `kvbench replay --backend sim` (kvbench.options): flags, help, config() keys."""
 
     policy: str = option("lru", _policy_help, unit="name(s)", key="policies")
     capacity: str | None = option(
@@ -144,9 +144,9 @@ class SimBackend:
         for pol in pols:
             self._check_needs(pol, filled)
         if "quota" in self.policy_options:
-            from kvbench.cache.prepared import _tenant_codes
+            from kvbench.cache.prepared import tenant_codes
 
-            check_quota_tenants(self.policy_options, _tenant_codes(trace, None)[1])
+            check_quota_tenants(self.policy_options, tenant_codes(trace, None)[1])
         prepared = {}
 
         def prepared_for(name):

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import click
 import pyarrow as pa
 
+from kvbench import options
 from kvbench.cache import policies as _policies
 from kvbench.cache.capacity import MODELS, check_capacities, parse_capacities, parse_capacity
 from kvbench.cache.policy_options import parse_policy_options, policy_option_params
 from kvbench.cache.prepared import prepare
 from kvbench.errors import KvbenchError
 from kvbench.hardware import HARDWARE
-from kvbench.run import options
+from kvbench.options import option
 from kvbench.run.backend import PointResult, Progress
-from kvbench.run.options import option
 from kvbench.trace.files import TraceMeta
 
 COPY_MODES = ("block", "coalesced", "staged")
@@ -34,7 +34,7 @@ def _size(default: str, help: str, **kwargs):
 
 @dataclass
 class TorchConfig:
-    """The options of `kvbench replay --backend torch` (kvbench.run.options): flags, help, config() keys."""
+    """The options of `kvbench replay --backend torch` (kvbench.options): flags, help, config() keys."""
 
     device: str = option(
         "auto", "where the HBM pool lives: cuda when a GPU is present (auto), else cpu", unit="name",

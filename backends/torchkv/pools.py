@@ -47,7 +47,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if int(err) != 0:
             raise KvbenchError(
                 f"could not page-lock {t.numel() * t.element_size() / 2**30:.1f} GiB of host memory (CUDA error "
-                f"{int(err)}); lower --host-capacity or raise the locked-memory limit (ulimit -l)"
+                f"{int(err)}); lower --dram-capacity or raise the locked-memory limit (ulimit -l)"
             )
     return t
 
@@ -128,7 +128,7 @@ class DiskPool:
             self.close()
             raise KvbenchError(
                 f"{directory}: cannot reserve {blocks * self.block_bytes / 2**30:.2f} GiB for the disk tier "
-                f"({e.strerror}); lower --disk-capacity or pick another --disk-dir"
+                f"({e.strerror}); lower --ssd-capacity or pick another --disk-dir"
             ) from None
 
     @property

@@ -13,8 +13,7 @@ import click
 
 from kvbench.cache import policies as _policies
 from kvbench.errors import KvbenchError
-from kvbench.run.backend import PolicyOption
-from kvbench.run.options import tagged
+from kvbench.options import PolicyOption, tagged
 
 # the unit of each policy option, stated in --help (docs/architecture.md, Options); a policy that adds an
 # option adds its unit here (tests/unit/test_options.py checks that every option states one)

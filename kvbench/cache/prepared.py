@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.cache.densify import densify, next_request_use
-from kvbench.run.metrics import NO_LABEL
 from kvbench.trace.blockhash import mix, name_key
+from kvbench.trace.metrics import NO_LABEL
 from kvbench.trace.schema import DEFAULT_PRIORITY
 
 
@@ -154,6 +154,3 @@ def tenant_codes(table: pa.Table, names: list[str] | None) -> tuple[np.ndarray, 
         return codes, encoded.dictionary.to_pylist()
     index = {name: i for i, name in enumerate(names)}
     return np.array([index[v] for v in encoded.dictionary.to_pylist()], np.int32)[codes], names
-
-
-_tenant_codes = tenant_codes  # the old name, still imported by backends/sim/__init__.py (to be switched)

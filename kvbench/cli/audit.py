@@ -7,6 +7,7 @@ import json
 import click
 
 from kvbench.cli.render import console
+from kvbench.options import served_model_option
 
 
 @click.group()
@@ -16,7 +17,7 @@ def audit():
 
 @audit.command()
 @click.option("--url", required=True, envvar="KVBENCH_URL", help="server base URL, e.g. http://127.0.0.1:8011")
-@click.option("--model", help="model to probe [default: the first of GET /v1/models]")
+@served_model_option(help="model to probe [default: the first of GET /v1/models] (a name, not a geometry)")
 @click.option(
     "--vocab",
     type=click.IntRange(min=64),

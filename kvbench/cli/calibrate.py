@@ -13,6 +13,7 @@ import click
 
 from kvbench import calibrate as C
 from kvbench.cli.render import console, stdout
+from kvbench.options import served_model_option
 
 
 def _lengths(ctx, param, value):
@@ -49,7 +50,7 @@ def _csv(default) -> str:
     help="server base URL (scheme://host:port), e.g. http://127.0.0.1:8011 (env KVBENCH_URL; `kvbench engine "
     "status` lists local engines); the file records host:port only",
 )
-@click.option("--model", help="served model name to request [default: the first of GET /v1/models]")
+@served_model_option(help="the served model name to request [default: the first of GET /v1/models]")
 @click.option(
     "--endpoint",
     type=click.Choice(["completions", "chat"]),

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from kvbench.cli.render import console
 from kvbench.errors import KvbenchError
+from kvbench.options import served_model_option
 from kvbench.run.results import read_requests
 from kvbench.run.rundir import RunDir, stamp
 
@@ -91,7 +92,7 @@ def _modeled_trace(trace: Path, live_dir: Path, out: Path) -> int:
 @click.command()
 @click.argument("trace_path", metavar="[TRACE]", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--url", envvar="KVBENCH_URL", required=True, help="engine base URL, e.g. http://127.0.0.1:8011")
-@click.option("--model", help="model name to request [default: the first of GET /v1/models]")
+@served_model_option(help="model name to request [default: the first of GET /v1/models] (a name, not a geometry)")
 @click.option("--api-key-env", default="OPENAI_API_KEY", show_default=True, help="environment variable with the key")
 @click.option(
     "--workload",
@@ -178,7 +179,7 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
                  "--api-key-env", api_key_env, "--max-num-batched-tokens", max_num_batched_tokens)  # fmt: skip
     summary["calibration"] = str(calibration)
     console.print(f"live: {summary['trace']['requests']} requests at concurrency {concurrency}")
-    live_opts = {"url": url, "model": model, "api_key_env": api_key_env, "mode": "rate", "rate": 1e6,
+    live_opts = {"url": url, "served_model": model, "api_key_env": api_key_env, "mode": "rate", "rate": 1e6,
                  "max_concurrency": concurrency, "reset_prefix_cache": True, "send_lora": False}  # fmt: skip
     live_dir, _ = run_replay(trace, "openai", live_opts, out=run_dir / "live")
     modeled_trace = run_dir / "trace-modeled.parquet"

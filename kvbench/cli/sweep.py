@@ -4,8 +4,6 @@ of replays, one run directory per point, sweep.json, and one comparison page (in
 from __future__ import annotations
 
 import json
-import os
-import re
 import shlex
 import sys
 import tomllib
@@ -18,17 +16,12 @@ from kvbench.cli.compare import LazyBar
 from kvbench.cli.render import console
 from kvbench.cli.replay import DEFAULT_BACKEND
 from kvbench.errors import KvbenchError
-from kvbench.report.compare import page_sections, write_page
-from kvbench.report.page import Links, Section, Table, pct
-from kvbench.run.comparison import analyse, load_run
+from kvbench.options import DeprecatedAlias
+from kvbench.report.sweep import write_index
 from kvbench.run.executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
-from kvbench.run.options import DeprecatedAlias
 from kvbench.run.plugins import backend_names, load_backend
-from kvbench.run.rundir import fresh_dir, stamp
-from kvbench.run.sweeps import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
+from kvbench.run.sweeps import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values, sweep_dir
 from kvbench.trace.stats import DEFAULT_WARMUP
-
-ABSOLUTE = re.compile(r"(?<![\w.~:/])/(?:[\w.+-]+/)+([\w.+-]+)")
 
 
 def _backends_in(args: list[str]) -> list[str]:
@@ -131,9 +124,11 @@ def _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, b
         axes[axis] = (
             split_values(flag) if given(axis) and flag else split_values(toml.get(axis, file_opts.pop(axis, [])))
         )
+    # Only what the user gave (flag or grid file): a default is the declaring backend's, and passing one
+    # backend's default to another (sim's --model to openai's old --model) would change that backend's setting.
     options = {}
     for name, value in backend_options.items():
-        value = value if given(name) or name not in file_opts else file_opts[name]
+        value = value if given(name) else file_opts.get(name)
         if value is not None:
             options[name] = value
     grid = Grid(
@@ -163,77 +158,8 @@ def _executor_settings(ctx: click.Context, toml: dict, flags: dict) -> ExecutorS
     return settings
 
 
-def _sweep_dir(out: str | None) -> Path:
-    """The sweep folder: a given one is resumed when it holds a sweep (sweep.json) and refused when it holds
-    anything else; the default is a new folder named after the time."""
-    if out is None:
-        return fresh_dir(Path("reports") / f"sweep-{stamp()}")
-    path = Path(out)
-    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
-        raise KvbenchError(
-            f"--out {path}: holds something that is not a sweep (no {MANIFEST}); give a new or empty folder"
-        )
-    return path
-
-
-def _shown(text: str, out_dir: Path) -> str:
-    """Error text as the report shows it: this machine's folders replaced by relative or home-relative ones."""
-    for folder, short in ((out_dir.resolve(), "."), (Path.cwd(), "."), (Path.home(), "~")):
-        text = text.replace(str(folder) + os.sep, short + os.sep).replace(str(folder), short)
-    return ABSOLUTE.sub(r"…/\1", text)  # any other absolute path: its last part only (URLs are left alone)
-
-
 def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
-
-
-def _path(p: str) -> str:
-    return p if not Path(p).is_absolute() else Path(p).name
-
-
-def write_index(out_dir: Path, manifest: dict) -> None:
-    """index.html / index.md: the grid, every point's status (failures with their error) and report, and
-    the comparison of every point that has a run."""
-    grid = manifest["grid"]
-    rows = [["trace", ", ".join(_path(t) for t in grid["traces"])], ["backend", ", ".join(grid["backends"])]]
-    for label, key in (("policy", "policies"), ("capacity", "capacities"), ("engine args", "engine_args")):
-        if grid.get(key):
-            rows.append([label, ", ".join(grid[key])])
-    if grid.get("engine"):
-        rows.append(["engine", grid["engine"]])
-    points = manifest["points"]
-    status = [
-        [
-            p["name"], p["status"], p.get("policy") or "–", p.get("capacity") or "–", p.get("engine_args") or "–",
-            pct(p.get("hit_rate")), "–" if p.get("seconds") is None else f"{p['seconds']:.1f}",
-            _shown(p.get("error") or "", out_dir),
-        ]
-        for p in points
-    ]  # fmt: skip
-    header = ["point", "status", "policy", "capacity", "engine args", "hit rate", "seconds", "error"]
-    reports = [(p["name"], f"{p['dir']}/report.html") for p in points if (out_dir / p["dir"] / "report.html").exists()]
-    counts = {s: sum(p["status"] == s for p in points) for s in ("ok", "skipped", "failed", "pending")}
-    note = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    note += " (skipped: finished by an earlier sweep, not run again)" if counts["skipped"] else ""
-    sections = [
-        Section("Grid", [Table(["axis", "values"], rows)]),
-        Section("Points", [note, Table(header, status)]),
-        Section("Point reports", [Links(reports)] if reports else []),
-    ]
-    runs = []
-    for p in points:
-        if p["status"] in ("ok", "skipped"):
-            run = load_run(out_dir / p["dir"])
-            # one hit-rate-vs-capacity line per grid cell other than policy and capacity
-            run["_group"] = " ".join(x for x in (Path(p["trace"]).stem, p["backend"], p.get("engine_args")) if x)
-            runs.append(run)
-    if runs:
-        bar = LazyBar()
-        try:
-            sections += page_sections(analyse(runs, progress=bar))
-        finally:
-            bar.close()
-    write_page(out_dir, "index", "kvbench sweep", sections)
 
 
 EPILOG = """\b
@@ -334,7 +260,7 @@ def sweep(
     ctx = click.get_current_context()
     grid, toml = _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options)
     executor = _executor_settings(ctx, toml, locals())
-    out_dir = _sweep_dir(out or toml.get("out"))  # claimed once every option was checked
+    out_dir = sweep_dir(out or toml.get("out"))  # claimed once every option was checked
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
@@ -372,7 +298,11 @@ def sweep(
             manifest = json.loads((out_dir / MANIFEST).read_text())
             console.print("[yellow]interrupted: rerun the same command to resume[/yellow]")
         bar.update(task, description="sweep: writing index.html")
-        write_index(out_dir, manifest)
+        bar = LazyBar()
+        try:
+            write_index(out_dir, manifest, progress=bar)
+        finally:
+            bar.close()
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
     counts = {s: sum(p["status"] == s for p in manifest["points"]) for s in ("ok", "skipped", "failed")}

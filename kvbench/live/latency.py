@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from kvbench.run.metrics import jain_index
+from kvbench.trace.metrics import jain_index
 
 PERCENTILES = (50, 90, 95, 99)
 SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}

@@ -21,8 +21,8 @@ from kvbench.live.pacing import Outcome, dispatch, request_count
 from kvbench.live.servercounters import reconcile
 from kvbench.run.backend import OnlineBackend, PointResult
 from kvbench.run.failures import failure_summary
-from kvbench.run.metrics import point_metrics
 from kvbench.run.results import ResultWriter, read_requests, result_files, result_rows
+from kvbench.trace.metrics import point_metrics
 
 FLUSH_EVERY = 256  # outcomes buffered before they are written as a durable part
 FLUSH_SECONDS = 2.0  # ... or the longest an outcome waits: a kill loses at most this much

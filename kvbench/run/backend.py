@@ -37,6 +37,7 @@ import click
 import numpy as np
 import pyarrow as pa
 
+from kvbench.options import PolicyOption  # noqa: F401  (declared with the option mechanism; plug-ins take it from here too)
 from kvbench.trace.files import TraceMeta
 
 if TYPE_CHECKING:
@@ -86,16 +87,6 @@ class StreamedPoint(Protocol):
 
 
 ProgressCallback = Callable[[Progress], None]
-
-
-class PolicyOption(click.Option):
-    """A backend option that only some eviction policies use (`--quota` for tenant-quota, …). Declaring which
-    lets a sweep over several policies give the option to those points only: the backend refuses an option
-    that none of a run's policies takes."""
-
-    def __init__(self, *args, policies: frozenset[str], **kwargs):
-        super().__init__(*args, **kwargs)
-        self.policies = policies
 
 
 class Backend(Protocol):

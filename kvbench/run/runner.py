@@ -21,11 +21,11 @@ from kvbench.live.distributed import run_distributed
 from kvbench.live.replay import run_live
 from kvbench.redact import redact, redact_text
 from kvbench.run.backend import OfflineBackend, OnlineBackend, PointResult, StreamedPoint, StreamingBackend, protocol_of
-from kvbench.run.metrics import MetricSums
 from kvbench.run.plugins import load_backend
 from kvbench.run.results import WRITE_ROWS, ResultWriter
 from kvbench.run.rundir import RunDir, stamp
 from kvbench.trace.files import TraceMeta
+from kvbench.trace.metrics import MetricSums
 from kvbench.trace.scan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
 from kvbench.trace.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
 from kvbench.trace.validation import read_valid_trace

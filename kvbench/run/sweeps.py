@@ -28,9 +28,11 @@ from urllib.parse import urlparse
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
-from kvbench.run.backend import PolicyOption, is_online
+from kvbench.options import PolicyOption
+from kvbench.run.backend import is_online
 from kvbench.run.executors import ExecutorSettings, one_line, open_pool, run_points
 from kvbench.run.plugins import load_backend
+from kvbench.run.rundir import fresh_dir, stamp
 from kvbench.trace.stats import DEFAULT_WARMUP
 
 MANIFEST = "sweep.json"
@@ -405,3 +407,16 @@ def run_sweep(
         finally:
             write_manifest(out_dir, manifest)
     return manifest
+
+
+def sweep_dir(out: str | None) -> Path:
+    """The sweep folder: a given one is resumed when it holds a sweep (sweep.json) and refused when it holds
+    anything else; the default is a new folder named after the time."""
+    if out is None:
+        return fresh_dir(Path("reports") / f"sweep-{stamp()}")
+    path = Path(out)
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
+        raise KvbenchError(
+            f"--out {path}: holds something that is not a sweep (no {MANIFEST}); give a new or empty folder"
+        )
+    return path

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.errors import ValidationFailed
-from kvbench.run.metrics import NO_LABEL, HitSums
 from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, iter_batches, open_parquet, read_meta, request_ids_at
+from kvbench.trace.metrics import NO_LABEL, HitSums
 from kvbench.trace.outofcore import GrowingArray, InfiniteCacheStream
 from kvbench.trace.schema import TRACE_SCHEMA
 from kvbench.trace.stats import DEFAULT_WARMUP

@@ -176,7 +176,7 @@ def test_tiered_replay_on_cuda_keeps_hbm_counts_and_data(chat200, tmp_path):
     """With DRAM and disk below HBM the HBM policy is unchanged (hits in HBM and evictions equal sim's), blocks
     found below are loaded, and every loaded block's checksum matches the one recorded when it was computed."""
     sim, _ = _replay(chat200, "sim", SIM, tmp_path / "sim")
-    tiers = {**TORCH, "host_capacity": "400", "disk_capacity": "800", "disk_dir": str(tmp_path)}
+    tiers = {**TORCH, "dram_capacity": "400", "ssd_capacity": "800", "disk_dir": str(tmp_path)}
     got, summary = _replay(chat200, "torch", tiers, tmp_path / "torch")
     assert (_col(got, "hit_tokens_hbm") == _col(sim, "hit_tokens")).all()
     assert (_col(got, "evictions") == _col(sim, "evictions")).all()

@@ -19,14 +19,7 @@ ROOTS = {"kvbench": REPO / "kvbench", "kvbench.backends": REPO / "backends"}
 KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 # `from M import _name` across modules left for now (importer, M, name) with why; same rule as KNOWN_CYCLES.
-KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {
-    ("kvbench.backends.sim", "kvbench.cache.prepared", "_tenant_codes"): (
-        "renamed tenant_codes; the old name stays as an alias until backends/sim/__init__.py imports the new one"
-    ),
-    ("kvbench.api", "kvbench.cli.sweep", "_sweep_dir"): (
-        "the API reuses the CLI's sweep-directory rule; to become a public name (in kvbench.run.sweeps, below both)"
-    ),
-}
+KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -117,6 +110,29 @@ def backend_imports_of_other_backends(found: list[Import]) -> list[str]:
         and _backend(i.target) is not None
         and _backend(i.target) != _backend(i.importer)
     ]
+
+
+# What each lower layer of the core may not import (docs/architecture.md, Layers): the trace layer is the bottom,
+# the cache model builds on it, and neither knows how runs are made, served, rendered or commanded.
+ABOVE = ("kvbench.run", "kvbench.live", "kvbench.report", "kvbench.cli", "kvbench.calibrate", "kvbench.api")
+NOT_BELOW = {"kvbench.trace": ("kvbench.cache", *ABOVE), "kvbench.cache": ABOVE}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def upward_imports(found: list[Import]) -> list[str]:
+    """Imports from a lower layer of the core into a higher one; the command line (kvbench.cli) is the top, so
+    nothing else of the core imports it either."""
+    out = []
+    for i in found:
+        for layer, above in NOT_BELOW.items():
+            if _within(i.importer, layer) and any(_within(i.target, a) for a in above):
+                out.append(f"{i.importer}:{i.line} imports {i.target}")
+        if not _within(i.importer, "kvbench.cli") and _backend(i.importer) is None and _within(i.target, "kvbench.cli"):
+            out.append(f"{i.importer}:{i.line} imports {i.target}")
+    return out
 
 
 def _same_package(importer: str, private_module: str) -> bool:
@@ -229,6 +245,10 @@ def test_a_backend_imports_no_other_backend(found):
     assert backend_imports_of_other_backends(found) == []
 
 
+def test_lower_layers_import_no_higher_one(found):
+    assert upward_imports(found) == []
+
+
 def test_no_private_name_is_imported_from_another_module(found):
     bad = {b for b in private_imports(found) if b not in KNOWN_PRIVATE_IMPORTS}
     assert bad == set(), "make the name public where it is defined, or move it"
@@ -270,6 +290,7 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
             "kvbench/trace/peek.py": "from kvbench.trace import files\n\nfiles._open()\n",
             "kvbench/cache/__init__.py": "from kvbench.trace._helper import y\n",
             "kvbench/run/runner.py": "import kvbench.backends.sim\n",
+            "kvbench/cache/prepared.py": "from kvbench.run.results import NO_LABEL\n",
             "backends/__init__.py": "",
             "backends/sim/__init__.py": "from kvbench.backends.torchkv import tiers\n",
             "backends/torchkv/__init__.py": "from kvbench.trace import files\n",
@@ -278,6 +299,7 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     )
     found = all_imports(roots)
     assert core_imports_of_backends(found) == ["kvbench.run.runner:1 imports kvbench.backends.sim"]
+    assert upward_imports(found) == ["kvbench.cache.prepared:1 imports kvbench.run.results"]
     assert backend_imports_of_other_backends(found) == ["kvbench.backends.sim:1 imports kvbench.backends.torchkv.tiers"]
     assert private_imports(found) == [
         ("kvbench.cache", "kvbench.trace", "_helper"),

@@ -1,4 +1,4 @@
-"""One option vocabulary (kvbench.run.options): each built-in backend's click options, constructor keywords and
+"""One option vocabulary (kvbench.options): each built-in backend's click options, constructor keywords and
 config() record come from one dataclass; the same name means the same thing in every backend and every help
 states its unit; the old spellings still work, with a warning on stderr (CLI) or a DeprecationWarning
 (Python)."""
@@ -13,11 +13,11 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from kvbench import options
 from kvbench.cache.capacity import MODELS
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
-from kvbench.run import options
-from kvbench.run.options import DeprecatedAlias, option, unit_of
+from kvbench.options import DeprecatedAlias, option, unit_of
 from kvbench.run.plugins import load_backend
 
 from ..conftest import make_trace
@@ -174,3 +174,24 @@ def test_a_config_dataclass_of_ones_own():
         config, rest = options.parse(Config, {"rate": 3.0, "other": 1})
     assert config.rate_gbps == 3.0 and rest == {"other": 1}
     assert options.record(config, extra=2) == {"rate_gbps": 3.0, "label": None, "fast": False, "extra": 2}
+
+
+def test_commands_that_talk_to_a_server_take_served_model_and_still_the_old_model():
+    from click.testing import CliRunner
+
+    @click.command()
+    @options.served_model_option(help="the served model name")
+    def cmd(model):
+        click.echo(f"model={model}")
+
+    runner = CliRunner()
+    new = runner.invoke(cmd, ["--served-model", "m1"])
+    assert new.exit_code == 0 and "model=m1" in new.stdout and "deprecated" not in new.stderr
+    old = runner.invoke(cmd, ["--model", "m1"])
+    assert old.exit_code == 0 and "model=m1" in old.stdout and "--model is deprecated" in old.stderr
+    assert runner.invoke(cmd, []).stdout.strip() == "model=None"
+    both = runner.invoke(cmd, ["--model", "a", "--served-model", "b"])
+    assert both.exit_code == 2 and "not both" in both.stderr
+    for command in ("calibrate", "fidelity"):
+        shown = runner.invoke(main, [command, "--help"])
+        assert "--served-model TEXT" in shown.stdout and "  --model TEXT" not in shown.stdout  # the old one is hidden

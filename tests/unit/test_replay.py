@@ -222,8 +222,8 @@ def test_stream_refuses_what_needs_the_whole_trace(tmp_path, extra, message):
 
 def test_metrics_summed_chunk_by_chunk_equal_the_whole_trace():
     """A streamed replay reports from per-chunk sums (MetricSums): however the rows are cut, the same dict."""
-    from kvbench.run.metrics import MetricSums, point_metrics
     from kvbench.trace.files import read_trace
+    from kvbench.trace.metrics import MetricSums, point_metrics
 
     table, meta = read_trace(REPO / "traces/samples/mix.parquet")  # tenants, workloads and modalities
     n_blocks = pa.compute.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False)

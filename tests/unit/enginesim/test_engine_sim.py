@@ -63,12 +63,12 @@ def test_protect_after_wastes_fewer_recomputed_tokens_than_recompute(tmp_path):
 
 def test_a_dram_tier_serves_what_hbm_evicted(short_mt, tmp_path):
     hbm_only, p0 = replay(short_mt, tmp_path, "hbm", hbm_capacity="300")
-    tiered, p1 = replay(short_mt, tmp_path, "dram", hbm_capacity="300", dram="20GB")
+    tiered, p1 = replay(short_mt, tmp_path, "dram", hbm_capacity="300", dram_capacity="20GB")
     dram_hits = pc.sum(tiered.column("hit_tokens_dram")).as_py()
     assert dram_hits > 0 and p1["hit_rate"]["token"]["all"] > p0["hit_rate"]["token"]["all"]
     # HBM hits are unchanged by a tier below it: the tier only adds
     assert tiered.column("hit_tokens_hbm").to_pylist() == hbm_only.column("hit_tokens").to_pylist()
-    _, through = replay(short_mt, tmp_path, "wt", hbm_capacity="300", dram="20GB", write_through=True)
+    _, through = replay(short_mt, tmp_path, "wt", hbm_capacity="300", dram_capacity="20GB", write_through=True)
     written = lambda p: p["engine"]["tier_bytes"]["written"]["dram"]  # noqa: E731
     assert written(through) > written(p1)
     # write-through copies a request's new blocks to DRAM as it admits them; the request must not then "find"

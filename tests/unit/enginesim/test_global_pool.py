@@ -86,7 +86,7 @@ def test_an_instance_looks_in_its_own_dram_before_the_store():
     # as above, C evicts A's blocks 1 and 2 from instance 0's HBM, now into its DRAM; A again on instance 0
     # misses HBM at block 1 (the prefix rule), loads 1 and 2 from DRAM and 3 and 4 from the store
     C, X = [60, 61, 62, 63], [70]
-    point = run([A, X, C, X, B], hbm_capacity="6", dram="100 tok", global_pool="1000")
+    point = run([A, X, C, X, B], hbm_capacity="6", dram_capacity="100 tok", global_pool="1000")
     assert hits(point, "dram")[4] == 2 and hits(point, "global")[4] == 2
 
 
@@ -119,8 +119,8 @@ def test_store_order_lru_refreshes_on_use_fifo_does_not():
 def test_store_loads_are_costed_at_the_pool_bandwidth():
     """B loads 4 blocks (8 MiB) from the store; everything else about its first token is the same, so its TTFT
     at 1 GB/s exceeds that at 4 GB/s by 8,388,608 B x (1/1e9 - 1/4e9) s/B = 6.291456 ms."""
-    slow = run([A, B], global_pool="1000", pool_bandwidth=1.0)
-    fast = run([A, B], global_pool="1000", pool_bandwidth=4.0)
+    slow = run([A, B], global_pool="1000", pool_bandwidth_gbps=1.0)
+    fast = run([A, B], global_pool="1000", pool_bandwidth_gbps=4.0)
     loaded = 4 * BLOCK_BYTES
     assert loaded == 8_388_608
     assert slow.extra["engine"]["tier_bytes"]["loaded"] == {"global": loaded}

@@ -49,13 +49,13 @@ def test_a_refused_key_stops_the_run_even_when_the_model_is_given(fake_server, t
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     srv = fake_server(require_key="K1")
     with pytest.raises(KvbenchError, match=rf"^GET {srv.url}/v1/models answered http 401: .*--api-key-env VAR"):
-        replay(srv.url, tmp_path / "r", model="fake")
+        replay(srv.url, tmp_path / "r", served_model="fake")
     assert srv.server.received == 0  # nothing was sent
 
 
 def test_a_wrong_path_in_the_url_is_a_404_that_points_at_the_url(fake_server, tmp_path):
     srv = fake_server()
-    with pytest.raises(KvbenchError, match=r"/api/v1/models answered http 404: .*base address.*Give --model NAME"):
+    with pytest.raises(KvbenchError, match=r"/api/v1/models answered http 404: .*base.*Give --served-model NAME"):
         replay(srv.url + "/api", tmp_path / "r")
 
 

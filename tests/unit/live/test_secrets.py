@@ -112,6 +112,6 @@ def test_credentials_stay_hidden_when_discovery_is_refused(fake_server_process, 
 
 
 def test_credentials_stay_hidden_when_nobody_listens(tmp_path):
-    proc = replay(free_port(), tmp_path / "down", "--model", "m")
+    proc = replay(free_port(), tmp_path / "down", "--served-model", "m")
     assert proc.returncode != 0 and "connection refused" in proc.stderr
     assert leaks(proc, tmp_path / "down") == []

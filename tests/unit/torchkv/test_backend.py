@@ -31,7 +31,7 @@ def test_hits_and_evictions_equal_the_sim_backend(sample_head, tmp_path, policy)
     caps = "400,1500"
     _, sim = _replay(trace, "sim", tmp_path / "sim", policy=policy, capacity=caps, bound=False)
     # tiers below HBM change nothing the HBM policy sees
-    _, tk = _replay(trace, "torch", tmp_path / "torch", policy=policy, capacity=caps, host_capacity="600")
+    _, tk = _replay(trace, "torch", tmp_path / "torch", policy=policy, capacity=caps, dram_capacity="600")
     for cap in caps.split(","):
         a, b = _point(sim, f"{policy}/{cap}"), _point(tk, f"{policy}/{cap}")
         assert np.array_equal(a["hit_tokens"], b["hit_tokens_hbm"])
@@ -57,8 +57,8 @@ def test_tiers_return_every_block_intact(sample_head, tmp_path, write_through, m
         "torch",
         tmp_path,
         capacity="300",
-        host_capacity="500",
-        disk_capacity="1500",
+        dram_capacity="500",
+        ssd_capacity="1500",
         disk_dir=str(tmp_path),
         write_through=write_through,
         copy_mode=mode,
@@ -80,7 +80,7 @@ def test_write_through_writes_more_than_write_back(sample_head, tmp_path):
     written = {}
     for wt in (False, True):
         summary, _ = _replay(sample_head("chat", 300), "torch", tmp_path / str(wt), capacity="300",
-                             host_capacity="5000", write_through=wt)  # fmt: skip
+                             dram_capacity="5000", write_through=wt)  # fmt: skip
         facts = summary["points"][0]["torch"]
         written[wt] = facts["blocks"]["written"]["dram"]
         assert facts["transfers"]["hbm->dram"]["blocks"] == written[wt]
@@ -90,7 +90,7 @@ def test_write_through_writes_more_than_write_back(sample_head, tmp_path):
 def test_a_request_never_finds_below_hbm_what_it_evicted_itself(sample_head, tmp_path):
     """With a cache smaller than one prompt, a request pushes its own first blocks down to DRAM; finding them
     there would count blocks never computed as hits."""
-    _, table = _replay(sample_head("chat", 40), "torch", tmp_path, capacity="8", host_capacity="100000", verify=True)
+    _, table = _replay(sample_head("chat", 40), "torch", tmp_path, capacity="8", dram_capacity="100000", verify=True)
     rows = _point(table, "lru/8")
     assert rows["input_tokens"][0] > 8 * 64  # longer than the whole HBM pool
     assert rows["hit_tokens"][0] == 0  # the very first request can hit nothing anywhere
@@ -134,7 +134,7 @@ def test_cli_replay_and_errors(sample_head, tmp_path):
     bad = runner.invoke(main, ["replay", trace, "--backend", "torch", "--capacity", "100", "--decode-steps", "x"])
     assert bad.exit_code != 0 and "--decode-steps" in bad.output and "Traceback" not in bad.output
     help_text = runner.invoke(main, ["replay", "--backend", "torch", "--help"]).output
-    for flag in ("--host-capacity", "--disk-capacity", "--copy-mode", "--compute", "--layout"):
+    for flag in ("--dram-capacity", "--ssd-capacity", "--copy-mode", "--compute", "--layout"):
         assert flag in help_text
 
 
@@ -146,8 +146,8 @@ def test_computed_kv_survives_the_tiers(sample_head, tmp_path):
         tmp_path,
         model="kvbench-micro",
         capacity="100",
-        host_capacity="200",
-        disk_capacity="2000",
+        dram_capacity="200",
+        ssd_capacity="2000",
         disk_dir=str(tmp_path),
         compute=True,
         decode_steps="1",

@@ -202,3 +202,38 @@ def unit_of(opt: click.Parameter) -> str | None:
     help = getattr(opt, "help", None) or ""
     start = help.rfind(UNIT_TAG)
     return help[start + len(UNIT_TAG) : help.index("]", start)] if start >= 0 else None
+
+
+class PolicyOption(click.Option):
+    """A backend option that only some eviction policies use (`--quota` for tenant-quota, …). Declaring which
+    lets a sweep over several policies give the option to those points only: the backend refuses an option
+    that none of a run's policies takes."""
+
+    def __init__(self, *args, policies: frozenset[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policies = policies
+
+
+def served_model_option(help: str):
+    """`--served-model NAME` for a command that talks to a server (calibrate, fidelity, audit): the name the
+    server serves, where `--model` means a model geometry everywhere else. `--model` still works for one
+    release, hidden, with a warning on stderr. Both land in the command's `model` parameter."""
+
+    def keep_old(ctx: click.Context, param, value):
+        # click processes options given on the command line first: --model may already have set `model`
+        if value is not None and ctx.params.get("model") not in (None, value):
+            raise click.UsageError("give --served-model or its old spelling --model, not both")
+        return value if value is not None else ctx.params.get("model")
+
+    def old_spelling(ctx: click.Context, param, value):
+        if value is not None:
+            click.echo("kvbench: warning: --model is deprecated here, use --served-model (same value)", err=True)
+            if ctx.params.get("model") not in (None, value):
+                raise click.UsageError("give --served-model or its old spelling --model, not both")
+            ctx.params["model"] = value
+
+    def decorate(f):
+        f = click.option("--model", "old_model", hidden=True, expose_value=False, callback=old_spelling)(f)
+        return click.option("--served-model", "model", callback=keep_old, help=help)(f)
+
+    return decorate
