@@ -211,7 +211,8 @@ def sweep(grid=None, out=None, *, executor: str = "local", workers: int | None =
     index.html comparing the points. Failed points are recorded in the manifest, not raised."""
     from kvbench.report.sweep import write_index
     from kvbench.run.executors import DEFAULT_RETRIES, ExecutorSettings
-    from kvbench.run.sweeps import Grid, run_sweep, sweep_dir
+    from kvbench.run.rundir import sweep_dir
+    from kvbench.run.sweeps import Grid, run_sweep
 
     if grid is None:
         grid = _grid(axes)

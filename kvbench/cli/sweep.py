@@ -20,7 +20,8 @@ from kvbench.options import DeprecatedAlias
 from kvbench.report.sweep import write_index
 from kvbench.run.executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
 from kvbench.run.plugins import backend_names, load_backend
-from kvbench.run.sweeps import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values, sweep_dir
+from kvbench.run.rundir import sweep_dir
+from kvbench.run.sweeps import EXECUTOR_KEYS, MANIFEST, OPTION_AXES, Grid, read_toml, run_sweep, split_values
 from kvbench.trace.stats import DEFAULT_WARMUP
 
 

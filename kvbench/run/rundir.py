@@ -13,6 +13,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 
 MAX_SUFFIX = 10_000
+MANIFEST = "sweep.json"  # what makes a folder a sweep (kvbench.run.sweeps writes it)
 
 
 def stamp() -> str:
@@ -105,3 +106,16 @@ class RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
         elif self.state == "empty" and self.path.is_dir():
             _empty(self.path)
+
+
+def sweep_dir(out: str | None) -> Path:
+    """The sweep folder: a given one is resumed when it holds a sweep (sweep.json) and refused when it holds
+    anything else; the default is a new folder named after the time."""
+    if out is None:
+        return fresh_dir(Path("reports") / f"sweep-{stamp()}")
+    path = Path(out)
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
+        raise KvbenchError(
+            f"--out {path}: holds something that is not a sweep (no {MANIFEST}); give a new or empty folder"
+        )
+    return path

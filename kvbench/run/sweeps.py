@@ -32,10 +32,9 @@ from kvbench.options import PolicyOption
 from kvbench.run.backend import is_online
 from kvbench.run.executors import ExecutorSettings, one_line, open_pool, run_points
 from kvbench.run.plugins import load_backend
-from kvbench.run.rundir import fresh_dir, stamp
+from kvbench.run.rundir import MANIFEST
 from kvbench.trace.stats import DEFAULT_WARMUP
 
-MANIFEST = "sweep.json"
 AXES = ("trace", "backend", "policy", "capacity", "engine_args")
 OPTION_AXES = {"policy": "policies", "capacity": "capacities"}  # backend options whose lists are grid axes
 EXECUTOR_KEYS = tuple(f.name for f in fields(ExecutorSettings))
@@ -407,16 +406,3 @@ def run_sweep(
         finally:
             write_manifest(out_dir, manifest)
     return manifest
-
-
-def sweep_dir(out: str | None) -> Path:
-    """The sweep folder: a given one is resumed when it holds a sweep (sweep.json) and refused when it holds
-    anything else; the default is a new folder named after the time."""
-    if out is None:
-        return fresh_dir(Path("reports") / f"sweep-{stamp()}")
-    path = Path(out)
-    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
-        raise KvbenchError(
-            f"--out {path}: holds something that is not a sweep (no {MANIFEST}); give a new or empty folder"
-        )
-    return path
