@@ -248,7 +248,14 @@ class Dispatcher:
         self.timers.pop(i, None)
         task = self.loop.create_task(self._request(i))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._request_done)
+
+    def _request_done(self, task: asyncio.Task) -> None:
+        # `send` never raises, but `on_done` (the caller's progress, a Ctrl-C inside it) may: the error stops
+        # the run through `run`, and is retrieved here so that asyncio never logs it as lost on top of that
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.fail(task.exception())
 
     async def _request(self, i: int) -> None:
         o = self.outcomes[i]

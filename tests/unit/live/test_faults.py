@@ -59,10 +59,10 @@ def test_each_fault_is_recorded_and_the_run_goes_on(fake_server, tmp_path, fault
 
 
 def test_an_unreachable_server_stops_the_run_before_any_request(tmp_path):
-    """With --model given no model list is needed, but a server that is not there is still found at once."""
+    """With --served-model given no model list is needed, but a server that is not there is still found at once."""
     port = free_port()
     with pytest.raises(KvbenchError, match=rf"cannot reach the server: .*connection refused: .*127.0.0.1:{port}"):
-        replay(f"http://127.0.0.1:{port}", tmp_path / "run", model="m")
+        replay(f"http://127.0.0.1:{port}", tmp_path / "run", served_model="m")
 
 
 def test_a_server_that_goes_away_is_recorded_as_connection_refused():
