@@ -143,25 +143,6 @@ class EngineSimConfig:
     share_lora_kv: bool = option(False, "let requests of different LoRA adapters share KV", unit="on/off", is_flag=True)
 
 
-# the units of the scenarios' options (declared in backends/enginesim/scenarios), stated in --help
-SCENARIO_UNITS = {
-    "task_retention": "on/off",
-    "autoscale": "instances",
-    "cold_start_s": "s",
-    "scale_up_load": "tokens per instance",
-    "warm_window_s": "s",
-    "disagg": "name",
-    "prefill_instances": "instances",
-    "kv_link_gbps": "GB/s, 1e9 bytes/s",
-    "attn_ffn_micro_batches": "micro-batches",
-    "mm_cache": "name",
-    "lora_kv": "name",
-    "lora_delta": "share of a base block",
-    "reasoning_instances": "instances",
-    "delete_user": "name@s",
-    "user_kv_ttl": "s",
-    "user_kv_quota": "blocks",
-}
 TIER_OPTIONS = ("hbm_capacity", "dram_capacity", "ssd_capacity", "global_pool")  # sizes, checked when built
 
 
@@ -173,7 +154,7 @@ class EngineSimBackend:
     @classmethod
     def cli_options(cls) -> list[click.Option]:
         scenario_options = [opt for sc in _scenarios.registry().values() for opt in sc.options]
-        return options.cli_options(EngineSimConfig) + options.with_units(scenario_options, SCENARIO_UNITS)
+        return options.cli_options(EngineSimConfig) + scenario_options
 
     def __init__(self, config: EngineSimConfig | None = None, **kwargs):
         """`config`, or its fields as keyword arguments; the other keywords are the scenarios' options."""

@@ -122,17 +122,6 @@ class OpenAIConfig:
 
 
 # the units of the pacing options (declared in kvbench.live.pacing), stated in --help
-PACING_UNITS = {
-    "mode": "name",
-    "time_scale": "unitless factor",
-    "rate": "requests/s",
-    "burstiness": "unitless gamma shape",
-    "max_concurrency": "requests",
-    "duration_s": "s",
-    "max_requests": "requests",
-    "warmup_requests": "requests",
-    "seed": "unitless",
-}
 
 
 class OpenAIBackend:
@@ -142,7 +131,7 @@ class OpenAIBackend:
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
-        return options.cli_options(OpenAIConfig) + options.with_units(Pacing.cli_options(), PACING_UNITS)
+        return options.cli_options(OpenAIConfig) + Pacing.cli_options()
 
     def __init__(self, config: OpenAIConfig | None = None, **kwargs):
         """`config`, or its fields as keyword arguments; the other keywords are the pacing options."""

@@ -26,7 +26,23 @@ import click
 import numpy as np
 import pyarrow as pa
 
+from kvbench.options import with_units
+
 MODES = ("trace", "rate", "sessions")
+
+
+# the unit of each pacing option, added to its --help
+UNITS = {
+    "mode": "name",
+    "time_scale": "unitless factor",
+    "rate": "requests/s",
+    "burstiness": "unitless gamma shape",
+    "max_concurrency": "requests",
+    "duration_s": "s",
+    "max_requests": "requests",
+    "warmup_requests": "requests",
+    "seed": "unitless",
+}
 
 
 @dataclass
@@ -43,50 +59,55 @@ class Pacing:
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
-        return [
-            click.Option(
-                ["--mode"],
-                type=click.Choice(MODES),
-                default="trace",
-                show_default=True,
-                help="trace: open loop on trace timestamps; rate: open loop at --rate; sessions: closed "
-                "loop, next turn think_time_s after the previous one (and its depends_on) finished",
-            ),
-            click.Option(
-                ["--time-scale"],
-                type=click.FloatRange(min=0, min_open=True),
-                default=1.0,
-                show_default=True,
-                help="multiply trace times by this (2 = half the request rate)",
-            ),
-            click.Option(["--rate"], type=click.FloatRange(min=0, min_open=True), help="requests/s for --mode rate"),
-            click.Option(
-                ["--burstiness"],
-                type=click.FloatRange(min=0, min_open=True),
-                default=1.0,
-                show_default=True,
-                help="gamma shape of the gaps in --mode rate: 1 = Poisson, <1 burstier",
-            ),
-            click.Option(
-                ["--max-concurrency"],
-                type=click.IntRange(min=1),
-                help="most requests in flight at once (others wait; the wait counts as schedule lag)",
-            ),
-            click.Option(
-                ["--duration", "duration_s"],
-                type=click.FloatRange(min=0, min_open=True),
-                help="stop sending new requests after this many seconds",
-            ),
-            click.Option(["--max-requests"], type=click.IntRange(min=1), help="send at most this many requests"),
-            click.Option(
-                ["--warmup-requests"],
-                type=click.IntRange(min=0),
-                default=0,
-                show_default=True,
-                help="the first N requests sent are run but left out of latency metrics",
-            ),
-            click.Option(["--seed"], type=int, default=0, show_default=True, help="seed of the --mode rate gaps"),
-        ]
+        return with_units(
+            [
+                click.Option(
+                    ["--mode"],
+                    type=click.Choice(MODES),
+                    default="trace",
+                    show_default=True,
+                    help="trace: open loop on trace timestamps; rate: open loop at --rate; sessions: closed "
+                    "loop, next turn think_time_s after the previous one (and its depends_on) finished",
+                ),
+                click.Option(
+                    ["--time-scale"],
+                    type=click.FloatRange(min=0, min_open=True),
+                    default=1.0,
+                    show_default=True,
+                    help="multiply trace times by this (2 = half the request rate)",
+                ),
+                click.Option(
+                    ["--rate"], type=click.FloatRange(min=0, min_open=True), help="requests/s for --mode rate"
+                ),
+                click.Option(
+                    ["--burstiness"],
+                    type=click.FloatRange(min=0, min_open=True),
+                    default=1.0,
+                    show_default=True,
+                    help="gamma shape of the gaps in --mode rate: 1 = Poisson, <1 burstier",
+                ),
+                click.Option(
+                    ["--max-concurrency"],
+                    type=click.IntRange(min=1),
+                    help="most requests in flight at once (others wait; the wait counts as schedule lag)",
+                ),
+                click.Option(
+                    ["--duration", "duration_s"],
+                    type=click.FloatRange(min=0, min_open=True),
+                    help="stop sending new requests after this many seconds",
+                ),
+                click.Option(["--max-requests"], type=click.IntRange(min=1), help="send at most this many requests"),
+                click.Option(
+                    ["--warmup-requests"],
+                    type=click.IntRange(min=0),
+                    default=0,
+                    show_default=True,
+                    help="the first N requests sent are run but left out of latency metrics",
+                ),
+                click.Option(["--seed"], type=int, default=0, show_default=True, help="seed of the --mode rate gaps"),
+            ],
+            UNITS,
+        )
 
     def __post_init__(self):
         if self.mode == "rate" and not self.rate:

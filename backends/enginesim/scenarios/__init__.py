@@ -10,12 +10,14 @@ from typing import ClassVar
 import click
 import pyarrow as pa
 
+from kvbench.options import with_units
 from kvbench.registry import Registry
 
 
 class Scenario:
     name: ClassVar[str]
     options: ClassVar[list[click.Option]] = []
+    units: ClassVar[dict[str, str]] = {}  # option name -> its unit, added to the option's --help
 
     @classmethod
     def create(cls, settings: dict) -> Scenario | None:
@@ -77,6 +79,7 @@ _REGISTRY: Registry[type[Scenario]] = Registry(__name__, "scenario")
 
 
 def scenario(cls: type[Scenario]) -> type[Scenario]:
+    with_units(cls.options, cls.units)
     _REGISTRY.add(cls.name, cls)
     return cls
 

@@ -17,6 +17,9 @@ from kvbench.errors import KvbenchError
 @scenario
 class AgentTasks(Scenario):
     name = "agent-tasks"
+    units = {  # of its options, shown in --help
+        "task_retention": "on/off",
+    }
     options = [
         click.Option(
             ["--task-retention"],

@@ -17,6 +17,12 @@ from kvbench.errors import KvbenchError
 @scenario
 class Autoscale(Scenario):
     name = "autoscale"
+    units = {  # of its options, shown in --help
+        "autoscale": "instances",
+        "cold_start_s": "s",
+        "scale_up_load": "tokens per instance",
+        "warm_window_s": "s",
+    }
     options = [
         click.Option(
             ["--autoscale"],

@@ -66,6 +66,12 @@ def attention_share(model) -> float:
 @scenario
 class Disaggregation(Scenario):
     name = "disagg"
+    units = {  # of its options, shown in --help
+        "disagg": "name",
+        "prefill_instances": "instances",
+        "kv_link_gbps": "GB/s, 1e9 bytes/s",
+        "attn_ffn_micro_batches": "micro-batches",
+    }
     options = [
         click.Option(
             ["--disagg"],

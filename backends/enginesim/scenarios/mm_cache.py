@@ -26,6 +26,9 @@ COPIES_PER_ITEM = 4  # newest copies of an item's KV an instance looks for (olde
 @scenario
 class MultimodalCache(Scenario):
     name = "mm-cache"
+    units = {  # of its options, shown in --help
+        "mm_cache": "name",
+    }
     options = [
         click.Option(
             ["--mm-cache"],

@@ -41,6 +41,10 @@ from kvbench.errors import KvbenchError
 @scenario
 class MultiLora(Scenario):
     name = "multi-lora"
+    units = {  # of its options, shown in --help
+        "lora_kv": "name",
+        "lora_delta": "share of a base block",
+    }
     options = [
         click.Option(
             ["--lora-kv"],

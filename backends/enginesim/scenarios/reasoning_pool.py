@@ -10,6 +10,9 @@ from kvbench.backends.enginesim.scenarios import Scenario, scenario
 @scenario
 class ReasoningPool(Scenario):
     name = "reasoning-pool"
+    units = {  # of its options, shown in --help
+        "reasoning_instances": "instances",
+    }
     options = [
         click.Option(
             ["--reasoning-instances"],

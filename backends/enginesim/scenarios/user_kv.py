@@ -36,6 +36,11 @@ def _deletions(values) -> list[tuple[str, float]]:
 @scenario
 class UserKV(Scenario):
     name = "user-kv"
+    units = {  # of its options, shown in --help
+        "delete_user": "name@s",
+        "user_kv_ttl": "s",
+        "user_kv_quota": "blocks",
+    }
     options = [
         click.Option(
             ["--delete-user"],
