@@ -67,8 +67,11 @@ class Run:
 
     @property
     def hit_rate(self) -> dict[str, float]:
-        """Token hit rate over all requests, by point name (e.g. {'lru/1000': 0.41, 'belady/1000': 0.52})."""
-        return {p["name"]: p["hit_rate"]["token"]["all"] for p in self.summary["points"]}
+        """Token hit rate over all requests, by point name (e.g. {'lru/1000blocks': 0.41, 'belady/1000blocks':
+        0.52}); an old spelling ('lru/1000') still answers, with a warning, until the next release."""
+        from kvbench.run.pointnames import PointsByName
+
+        return PointsByName((p["name"], p["hit_rate"]["token"]["all"]) for p in self.summary["points"])
 
     def report(self, trace=None) -> Path:
         """(Re)write report.md and report.html, as `kvbench report` does; returns the report.html path."""

@@ -19,3 +19,8 @@ class ValidationFailed(KvbenchError):
     def __init__(self, report):
         self.report = report
         super().__init__(report.summary())
+
+
+class KvbenchDeprecationWarning(FutureWarning):
+    """Something spelt or recorded the way an older kvbench did: still read, for one more release. A
+    FutureWarning, so Python shows it to users by default; the CLI prints it as one line."""

@@ -22,6 +22,7 @@ from kvbench.errors import KvbenchError
 from kvbench.hardware import HARDWARE
 from kvbench.options import option
 from kvbench.run.backend import PointResult, Progress
+from kvbench.run.pointnames import point_name
 from kvbench.trace.files import TraceMeta
 
 COPY_MODES = ("block", "coalesced", "staged")
@@ -210,7 +211,7 @@ class TorchBackend:
                     self.copy_mode, self.compute, self.decode_steps, self.verify, self.hardware,
                 )  # fmt: skip
                 labels = {"policy": name, "capacity_blocks": cap.blocks}
-                label = "/".join(map(str, labels.values()))
+                label = point_name(labels)
 
                 def progress(done, total, label=label):
                     if on_progress is not None:

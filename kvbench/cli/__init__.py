@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 
 import click
 import pyarrow as pa
 
 from kvbench import __version__
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchDeprecationWarning, KvbenchError
 
 # Library errors that are the user's input, not kvbench's bug: a file (or folder) named on the command line
 # that cannot be opened, read or written, and data that Arrow refuses on reading a user's file. kvbench's own
@@ -64,6 +65,23 @@ def main() -> None:
     Set KVBENCH_DEBUG=1 to see Python tracebacks instead of one-line errors.
     """
     _stop_like_ctrl_c(click.get_current_context())
+    warnings.showwarning = _one_line_warnings(warnings.showwarning)
+
+
+def _one_line_warnings(show):
+    """kvbench's own deprecation warnings as one line on stderr, like its errors (Python's format names a
+    source line of kvbench, which means nothing to a user); any other warning as Python shows it."""
+    if getattr(show, "kvbench", False):
+        return show
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, KvbenchDeprecationWarning):
+            click.echo(f"kvbench: warning: {message}", err=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    one_line.kvbench = True
+    return one_line
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # a `kill`, a job scheduler's stop, a closed terminal

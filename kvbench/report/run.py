@@ -12,17 +12,21 @@ from kvbench.report.page import Section, Table, num, render_html, render_markdow
 from kvbench.report.timing import latency_sections, timeline_section
 from kvbench.report.transfers import transfer_section
 from kvbench.report.workload import agent_section, characterisation_section
-from kvbench.run.results import read_requests, result_files
+from kvbench.run.results import RESULT_SCHEMA, read_requests, result_files
 
 MAX_REPORT_ROWS = 2_000_000  # per-request plots read at most this many rows: a report of a huge run stays quick
 
 
 def load_requests(run_dir: Path, limit: int = MAX_REPORT_ROWS) -> tuple[pa.Table | None, bool]:
-    """(the first `limit` rows of the run's results, whether it has more), or (None, False) if it has none.
-    A killed run's results are read from the parts it left (`results.read_requests`)."""
+    """(the first `limit` rows of the run's results, with every column of RESULT_SCHEMA, whether it has more),
+    or (None, False) if it has none. A killed run's results are read from the parts it left
+    (`results.read_requests`)."""
     if not result_files(run_dir):
         return None, False
     rows = read_requests(run_dir, max_rows=limit + 1)
+    for col in RESULT_SCHEMA:  # a run recorded before a column was added: the column is unknown (null)
+        if col.name not in rows.column_names:
+            rows = rows.append_column(col, pa.nulls(rows.num_rows, col.type))
     return rows.slice(0, limit), rows.num_rows > limit
 
 

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.options import PolicyOption  # noqa: F401  (declared with the option mechanism; plug-ins take it from here too)
+from kvbench.run.pointnames import point_name
 from kvbench.trace.files import TraceMeta
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ class PointResult:
 
     @property
     def name(self) -> str:
-        return "/".join(f"{v}" for v in self.labels.values())
+        """e.g. "lru/1000blocks": each number with its unit (`kvbench.run.pointnames`)."""
+        return point_name(self.labels)
 
 
 class StreamedPoint(Protocol):

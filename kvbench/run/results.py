@@ -14,13 +14,14 @@ import pyarrow.parquet as pq
 
 from kvbench.errors import KvbenchError
 from kvbench.run.backend import PointResult
+from kvbench.run.pointnames import rename_column, run_renames
 from kvbench.run.resultparts import PartWriter, list_parts, merge_parts, remove_parts, write_durably
 
 REQUESTS_FILE = "requests.parquet"
 
 RESULT_SCHEMA = pa.schema(
     [
-        pa.field("point", pa.string()),  # configuration point, e.g. "lru/10000"
+        pa.field("point", pa.string()),  # configuration point, e.g. "lru/10000blocks" (run.pointnames)
         pa.field("request_id", pa.string()),
         pa.field("tenant", pa.string()),
         pa.field("workload", pa.string()),
@@ -149,6 +150,10 @@ def read_requests(run_dir: Path, columns: list[str] | None = None, max_rows: int
     """A run's result rows (`columns` of them; the first `max_rows`), from requests.parquet or, after a
     kill, from it and the parts the run left, each request once (its latest row). Raises ResultsUnreadable,
     naming the file, when there are none or one is not Parquet."""
+    return rename_column(_read(run_dir, columns, max_rows), run_renames(run_dir), str(run_dir))
+
+
+def _read(run_dir: Path, columns: list[str] | None, max_rows: int | None) -> pa.Table:
     files = result_files(run_dir) or [Path(run_dir) / REQUESTS_FILE]
     if len(files) == 1:
         f = _open(files[0])

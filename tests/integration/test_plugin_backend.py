@@ -50,7 +50,7 @@ def test_the_example_plugin_is_a_fifo_cache_like_the_builtin_one(example, tmp_pa
     sim, sim_rows = replay(tmp_path, "sim", "--backend", "sim", "--policy", "fifo", "--capacity", "3000", "--no-bound")
     assert summary["backend"] == "example" and summary["complete"]
     assert summary["config"]["capacity"] == 3000
-    assert [p["name"] for p in summary["points"]] == ["fifo/3000"]
+    assert [p["name"] for p in summary["points"]] == ["fifo/3000blocks"]
     assert rows.column("hit_blocks").to_pylist() == sim_rows.column("hit_blocks").to_pylist()
     assert rows.column("evictions").to_pylist() == sim_rows.column("evictions").to_pylist()
     assert summary["hit_rate"] == sim["hit_rate"]

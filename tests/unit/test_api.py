@@ -84,8 +84,8 @@ def test_notebook_flow(chat, tmp_path):
 
     run = kvbench.replay(chat, policy="lru,fifo", capacity=[200, 1000], bound=False, out=tmp_path / "run")
     assert run.path == tmp_path / "run" and run.summary["complete"]
-    assert list(run.hit_rate) == ["lru/200", "lru/1000", "fifo/200", "fifo/1000"]
-    assert run.hit_rate["lru/200"] < run.hit_rate["lru/1000"]
+    assert list(run.hit_rate) == ["lru/200blocks", "lru/1000blocks", "fifo/200blocks", "fifo/1000blocks"]
+    assert run.hit_rate["lru/200blocks"] < run.hit_rate["lru/1000blocks"]
     assert run.summary["command"] == (
         f"kvbench.replay({str(chat.path)!r}, backend='sim', policy='lru,fifo', capacity=[200, 1000], bound=False)"
     )
@@ -103,7 +103,7 @@ def test_notebook_flow(chat, tmp_path):
 
     other = kvbench.replay(chat.path, policy="lru", capacity=500, bound=False, out=tmp_path / "other", report=False)
     result = kvbench.compare(run, other.path, out=tmp_path / "cmp")
-    assert [r["point"] for r in result["runs"]] == [*run.hit_rate, "lru/500"]
+    assert [r["point"] for r in result["runs"]] == [*run.hit_rate, "lru/500blocks"]
     assert (tmp_path / "cmp" / "compare.html").exists()
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text()) == json.loads(json.dumps(result))
 
@@ -111,8 +111,8 @@ def test_notebook_flow(chat, tmp_path):
     assert [p["status"] for p in swept.manifest["points"]] == ["ok", "ok"]
     assert (swept.path / "index.html").exists()
     by_point = {name: r.hit_rate for name, r in swept.runs.items()}
-    assert by_point == {"chat_sim_lru_200": {"lru/200": run.hit_rate["lru/200"]},
-                        "chat_sim_lru_1000": {"lru/1000": run.hit_rate["lru/1000"]}}  # fmt: skip
+    assert by_point == {"chat_sim_lru_200": {"lru/200blocks": run.hit_rate["lru/200blocks"]},
+                        "chat_sim_lru_1000": {"lru/1000blocks": run.hit_rate["lru/1000blocks"]}}  # fmt: skip
 
 
 def test_replay_passes_the_options_the_cli_passes(chat, tmp_path):
@@ -134,7 +134,7 @@ def test_an_existing_out_is_refused_unless_overwrite(chat, tmp_path, monkeypatch
         kvbench.replay(chat, capacity=1000, bound=False, out=first.path)
     assert kvbench.open_run(first.path).hit_rate == first.hit_rate  # untouched
     second = kvbench.replay(chat, capacity=1000, bound=False, out=first.path, overwrite=True, report=False)
-    assert list(kvbench.open_run(first.path).hit_rate) == list(second.hit_rate) == ["lru/1000"]
+    assert list(kvbench.open_run(first.path).hit_rate) == list(second.hit_rate) == ["lru/1000blocks"]
 
 
 @pytest.mark.parametrize(

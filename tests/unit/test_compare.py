@@ -70,11 +70,11 @@ def test_fidelity_and_bootstrap_on_recorded_runs(runs):
     assert {row["backend"] for row in result["runs"]} == {"openai", "sim"}
     # predicted vs measured hit rate, per point of the simulator, over the 40 requests both answered
     fid = {row["predicted"]: row for row in result["fidelity"]}
-    vllm = next(row for name, row in fid.items() if ":vllm/" in name and name.endswith("/100000000"))
+    vllm = next(row for name, row in fid.items() if ":vllm/" in name and name.endswith("/100000000blocks"))
     assert vllm["measured"] == LIVE and vllm["requests compared"] == 40
     assert vllm["requests equal"] == 1.0 and vllm["gap"] == 0.0  # vLLM at concurrency 1 is the vllm policy
     assert 0.3 < vllm["hit rate measured"] < 0.9
-    small = [row for name, row in fid.items() if name.endswith("/16")]
+    small = [row for name, row in fid.items() if name.endswith("/16blocks")]
     assert small and all(row["hit rate predicted"] < vllm["hit rate predicted"] for row in small)
     # percentiles of the live run with their bootstrap intervals
     lat = {row["metric"]: row for row in result["latency"]}
@@ -203,7 +203,7 @@ def test_model_vs_measurement_says_why_runs_do_not_pair(runs):
     tables = [e for e in cmp.result["model_vs_measurement"] if "table" in e]
     assert len(tables) == 9 and all(e["backend"] == "sim" for e in tables)
     exact = {e["modeled"]: e["table"]["overall"]["cached_tokens"]["exact"] for e in tables}
-    assert exact[f"{SIM}:vllm/100000000"] == 40 and exact[f"{SIM}:vllm/16"] < 40
+    assert exact[f"{SIM}:vllm/100000000blocks"] == 40 and exact[f"{SIM}:vllm/16blocks"] < 40
     assert all(e["table"]["overall"]["ttft"] == {"requests": 0} for e in tables)
     twice = _with_requests(runs / LIVE, runs / "live-again", lambda t: t)
     r = invoke("compare", runs / LIVE, twice, runs / SIM)

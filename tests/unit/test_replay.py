@@ -20,7 +20,7 @@ def test_sweep_writes_results_summary_and_reports(tmp_path):
     out = tmp_path / "run"
     r = kvbench("replay", CHAT, "--policy", "lru", "--capacity", "200,2000", "--no-bound", "--out", out)
     assert r.returncode == 0, r.stderr
-    assert "lru/200" in r.stdout and "lru/2000" in r.stdout
+    assert "lru/200blocks" in r.stdout and "lru/2000blocks" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and summary["backend"] == "sim"
     assert summary["trace"]["requests"] == 2000 and len(summary["trace"]["fingerprint"]) == 32
@@ -29,12 +29,12 @@ def test_sweep_writes_results_summary_and_reports(tmp_path):
     assert 0 <= small < large <= summary["infinite_cache"]["token"]["all"] + 1e-12
     results = pq.read_table(out / "requests.parquet")
     assert results.num_rows == 4000
-    assert set(results.column("point").to_pylist()) == {"lru/200", "lru/2000"}
-    hits = results.filter(pa.compute.equal(results.column("point"), "lru/2000")).column("hit_tokens").to_numpy()
+    assert set(results.column("point").to_pylist()) == {"lru/200blocks", "lru/2000blocks"}
+    hits = results.filter(pa.compute.equal(results.column("point"), "lru/2000blocks")).column("hit_tokens").to_numpy()
     assert hits.sum() == summary["points"][1]["hit_tokens"]
     html = (out / "report.html").read_text()
     assert html.count("<svg") >= 1 and "Hit rate vs capacity" in html and "http" not in html.split("<svg")[0]
-    assert "| lru/200 |" in (out / "report.md").read_text()
+    assert "| lru/200blocks |" in (out / "report.md").read_text()
 
 
 def test_single_point_has_top_level_keys_and_json_output(tmp_path):

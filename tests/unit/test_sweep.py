@@ -58,7 +58,7 @@ def test_flags_sweep_then_resume_skips_finished_points(tmp_path, monkeypatch, re
     assert manifest["complete"] and manifest["grid"]["policies"] == ["lru", "belady"]
     assert manifest["options"]["bound"] is False  # a backend option passed through to every point
     summary = json.loads((out / "chat_sim_lru_1000" / "summary.json").read_text())
-    assert summary["config"]["bound"] is False and [p["name"] for p in summary["points"]] == ["lru/1000"]
+    assert summary["config"]["bound"] is False and [p["name"] for p in summary["points"]] == ["lru/1000blocks"]
     assert summary["trace"]["path"] == CHAT
     by_name = {p["name"]: p for p in manifest["points"]}
     assert by_name["chat_sim_belady_10000"]["hit_rate"] >= by_name["chat_sim_lru_10000"]["hit_rate"] > 0

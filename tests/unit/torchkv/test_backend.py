@@ -33,7 +33,7 @@ def test_hits_and_evictions_equal_the_sim_backend(sample_head, tmp_path, policy)
     # tiers below HBM change nothing the HBM policy sees
     _, tk = _replay(trace, "torch", tmp_path / "torch", policy=policy, capacity=caps, dram_capacity="600")
     for cap in caps.split(","):
-        a, b = _point(sim, f"{policy}/{cap}"), _point(tk, f"{policy}/{cap}")
+        a, b = _point(sim, f"{policy}/{cap}blocks"), _point(tk, f"{policy}/{cap}blocks")
         assert np.array_equal(a["hit_tokens"], b["hit_tokens_hbm"])
         assert np.array_equal(a["evictions"], b["evictions"])
         assert a["evictions"].sum() > 0  # the capacities are small enough to evict
@@ -44,7 +44,7 @@ def test_tenant_quota_equals_the_sim_backend(sample_head, tmp_path):
     opts = dict(policy="tenant-quota", capacity="800", quota="*=0.3")
     _, sim = _replay(trace, "sim", tmp_path / "sim", bound=False, **opts)
     _, tk = _replay(trace, "torch", tmp_path / "torch", **opts)
-    a, b = _point(sim, "tenant-quota/800"), _point(tk, "tenant-quota/800")
+    a, b = _point(sim, "tenant-quota/800blocks"), _point(tk, "tenant-quota/800blocks")
     assert np.array_equal(a["hit_tokens"], b["hit_tokens_hbm"]) and np.array_equal(a["evictions"], b["evictions"])
 
 
@@ -67,7 +67,7 @@ def test_tiers_return_every_block_intact(sample_head, tmp_path, write_through, m
     facts = summary["points"][0]["torch"]
     assert facts["verify"]["checked"] > 500 and facts["verify"]["mismatches"] == 0
     assert facts["blocks"]["dram_hits"] > 0 and facts["blocks"]["ssd_hits"] > 0
-    rows = _point(table, "lru/300")
+    rows = _point(table, "lru/300blocks")
     assert rows["hit_tokens_dram"].sum() > 0 and rows["hit_tokens_ssd"].sum() > 0
     moved = facts["transfers"]
     for direction in ("hbm->dram", "dram->ssd", "dram->hbm", "ssd->hbm"):
@@ -91,7 +91,7 @@ def test_a_request_never_finds_below_hbm_what_it_evicted_itself(sample_head, tmp
     """With a cache smaller than one prompt, a request pushes its own first blocks down to DRAM; finding them
     there would count blocks never computed as hits."""
     _, table = _replay(sample_head("chat", 40), "torch", tmp_path, capacity="8", dram_capacity="100000", verify=True)
-    rows = _point(table, "lru/8")
+    rows = _point(table, "lru/8blocks")
     assert rows["input_tokens"][0] > 8 * 64  # longer than the whole HBM pool
     assert rows["hit_tokens"][0] == 0  # the very first request can hit nothing anywhere
 
@@ -102,7 +102,7 @@ def test_compute_skips_the_cached_prefix(sample_head, tmp_path):
     computed = {}
     for cap in ("100", "100000"):
         summary, table = _replay(trace, "torch", tmp_path / cap, capacity=cap, compute=True, decode_steps="2")
-        rows = _point(table, f"lru/{cap}")
+        rows = _point(table, f"lru/{cap}blocks")
         expected = np.maximum(rows["input_tokens"] - rows["hit_tokens"], 1)
         assert np.array_equal(rows["prefill_tokens"], expected)
         assert np.all(rows["ttft_s"] > 0) and np.all(np.isfinite(rows["ttft_s"]))
@@ -116,7 +116,7 @@ def test_compute_skips_the_cached_prefix(sample_head, tmp_path):
 
 def test_every_decode_step_timed_gives_itls(sample_head, tmp_path):
     _, table = _replay(sample_head("chat", 5), "torch", tmp_path, capacity="1000", compute=True, decode_steps="all")
-    rows = _point(table, "lru/1000")
+    rows = _point(table, "lru/1000blocks")
     for n_out, itl in zip(rows["output_tokens"], rows["itl_s"]):
         assert len(itl) == n_out - 1
 
@@ -155,5 +155,5 @@ def test_computed_kv_survives_the_tiers(sample_head, tmp_path):
     )
     facts = summary["points"][0]["torch"]
     assert facts["verify"]["checked"] > 100 and facts["verify"]["mismatches"] == 0
-    rows = _point(table, "lru/100")
+    rows = _point(table, "lru/100blocks")
     assert np.array_equal(rows["prefill_tokens"], np.maximum(rows["input_tokens"] - rows["hit_tokens"], 1))
