@@ -11,7 +11,8 @@ import numpy as np
 
 from kvbench.report.fidelity import TITLE as MODEL_TITLE
 from kvbench.report.fidelity import FidelityTable, explanation, html_ready
-from kvbench.report.page import Figure, Links, Section, Table, render_html, render_markdown, svg
+from kvbench.report.page import Figure, Links, Section, Table, pct, render_html, render_markdown, svg
+from kvbench.report.style import duration
 from kvbench.run.comparison import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
 
 NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
@@ -104,9 +105,16 @@ def _cdf_figure(cmp: Comparison) -> Figure | None:
 
     if not cmp.samples:
         return None
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    drawn = [m for m in METRICS if any(s.values[m].size for s in cmp.samples.values())]
+    if not drawn:
+        return None  # an axis with nothing on it says nothing (engine-sim models no ITL)
+    cols = min(2, len(drawn))
+    fig, axes = plt.subplots(-(-len(drawn) // cols), cols, figsize=(5 * cols, 3.5 * -(-len(drawn) // cols)),
+                             squeeze=False)  # fmt: skip
+    for ax in axes.flat[len(drawn) :]:
+        ax.remove()
     probs = np.linspace(0, 1, CDF_POINTS)
-    for ax, m in zip(axes.flat, METRICS):
+    for ax, m in zip(axes.flat, drawn):
         for (run, point), s in cmp.samples.items():
             x = s.values[m]
             if x.size:
@@ -172,10 +180,63 @@ def _capacity_figure(cmp: Comparison) -> Figure | None:
     return Figure(svg(fig), "Hit rate vs capacity (belady dashed: the offline optimum)")
 
 
+SAID = (50, 99)  # the percentiles the answer names: the typical request and the tail
+
+
+def _moves(diffs: list[dict]) -> tuple[list[str], list[str], int]:
+    """(slower, faster, within noise) for one run against the baseline: each metric whose p50 or p99 moved
+    beyond the bootstrap noise, with the moves, e.g. 'TTFT (p50 −109 ms, p99 −683 ms)'."""
+    slower, faster, same = [], [], 0
+    for d in diffs:
+        moved = [(q, d[f"p{q}"]["diff_ms"]) for q in SAID if d[f"p{q}"]["significant"]]
+        same += len(SAID) - len(moved)
+        if not moved:
+            continue
+        text = f"{NAMES[d['metric']]} ({', '.join(f'p{q} {_signed(ms)}' for q, ms in moved)})"
+        (slower if sum(ms for _, ms in moved) > 0 else faster).append(text)
+    return slower, faster, same
+
+
+def _signed(ms: float) -> str:
+    return ("+" if ms >= 0 else "−") + duration(abs(ms) / 1000)
+
+
+def answer_section(result: dict) -> Section:
+    """What differs, said the way a person would: per compared run, which metrics moved beyond the bootstrap
+    noise at p50 or p99 and which way; the best hit rate; how close the predictions came to the measurement."""
+    items: list[str] = []
+    by_run: dict[str, list[dict]] = {}
+    for d in result.get("differences") or []:
+        by_run.setdefault(f"{d['run']}:{d['point']}", []).append(d)
+    for name, rows in by_run.items():
+        slower, faster, same = _moves(rows)
+        base = rows[0]["baseline"]
+        if not slower and not faster:
+            items.append(f"{name} is indistinguishable from {base}: p50 and p99 of every latency within noise.")
+            continue
+        said = [f"slower {' and '.join(slower)}"] if slower else []
+        said += [f"faster {' and '.join(faster)}"] if faster else []
+        noise = f"; {same} other p50/p99 within noise" if same else ""
+        items.append(f"Against {base}, {name} has {', '.join(said)}{noise}.")
+    rated = [r for r in result.get("runs") or [] if r.get("hit rate") is not None]
+    if len(rated) > 1:
+        best = max(rated, key=lambda r: r["hit rate"])
+        items.append(f"Highest token hit rate in the table: {best['run']}:{best['point']} ({pct(best['hit rate'])}).")
+    gaps = [r for r in result.get("fidelity") or [] if r.get("gap") is not None]
+    if gaps:
+        close, far = min(gaps, key=lambda r: abs(r["gap"])), max(gaps, key=lambda r: abs(r["gap"]))
+        items.append(
+            f"Predicted against measured hit rate ({close['measured']}): closest {close['predicted']}, "
+            f"{100 * abs(close['gap']):.1f} points off; furthest {far['predicted']}, "
+            f"{100 * abs(far['gap']):.1f} points off."
+        )
+    return Section("Answer", items)
+
+
 def page_sections(cmp: Comparison, out_dir: Path | None = None, plots: bool = True) -> list[Section]:
     """The comparison as page sections: tables always, plots and links to run reports when `out_dir`."""
     result = cmp.result
-    sections = [Section("Runs", [_dict_table(result["runs"], keep=4)])]
+    sections = [answer_section(result), Section("Runs", [_dict_table(result["runs"], keep=4)])]
     sections += _latency_sections(result)
     if result["fidelity"]:
         sections.append(Section("Fidelity: predicted vs measured hit rate", [_dict_table(result["fidelity"])]))

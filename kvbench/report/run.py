@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from kvbench.report.answer import answer_section
 from kvbench.report.hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
 from kvbench.report.page import Section, Table, num, render_html, render_markdown
+from kvbench.report.style import plain
 from kvbench.report.timing import latency_sections, timeline_section
 from kvbench.report.transfers import transfer_section
 from kvbench.report.workload import agent_section, characterisation_section
@@ -48,12 +50,54 @@ def run_section(summary: dict, truncated: bool) -> Section:
         ["created (UTC)", summary.get("created", "–")],
         ["complete", "yes" if summary.get("complete") else "no (interrupted: the points below finished)"],
     ]
-    config = {k: v for k, v in (summary.get("config") or {}).items() if v not in (None, "", [], {})}
-    rows += [[f"config: {k}", _no_path(v)] for k, v in sorted(config.items()) if k != "pacing"]
-    items: list = [Table(["", ""], rows)]
+    items: list = [Table(["run", ""], rows)]
     if truncated:
         items.append(f"Per-request plots use the first {MAX_REPORT_ROWS:,} rows of requests.parquet.")
     return Section("Run", items)
+
+
+NO_UNIT = ("name", "path", "on/off", "unitless", "")
+
+
+def _option_units(backend: str) -> dict[str, str]:
+    """The unit each of the backend's options states in its --help, by option name; none when the backend
+    is not installed here (a report of someone else's run)."""
+    from kvbench.options import unit_of
+    from kvbench.run.plugins import load_backend
+
+    try:
+        return {p.name: unit_of(p) or "" for p in load_backend(backend).cli_options()}
+    except (KeyError, ImportError):  # not installed, or broken here: only the unit column is lost
+        return {}
+
+
+def _setting(value) -> str:
+    """A config value as a person writes it: booleans as yes/no, lists joined, numbers without scientific
+    notation, file paths cut to their name (a report is shared, the machine's layout isn't)."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float):
+        return plain(value)
+    if isinstance(value, list | tuple):
+        return ", ".join(_setting(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_setting(v)}" for k, v in value.items())
+    return _no_path(value)
+
+
+def config_section(summary: dict) -> Section:
+    """The backend's settings as the run used them (summary.json's `config`), with the unit each option states;
+    unset ones left out. Pacing, a nested record, is spread over its own rows."""
+    config = dict(summary.get("config") or {})
+    config.update({f"pacing: {k}": v for k, v in (config.pop("pacing", None) or {}).items()})
+    units = _option_units(summary["backend"])
+    rows = []
+    for key, value in sorted(config.items()):
+        if value in (None, "", [], {}, ()):
+            continue
+        unit = units.get(key.removeprefix("pacing: ").replace("-", "_"), "")
+        rows.append([key.replace("_", " "), _setting(value), "" if unit in NO_UNIT else unit])
+    return Section("Configuration", [Table(["setting", "value", "unit"], rows)] if rows else [])
 
 
 def requests_section(point: dict) -> Section:
@@ -127,7 +171,8 @@ def sections(
     name = point["name"] if point else None
     if trace is not None and trace.num_rows > MAX_REPORT_ROWS:
         trace = trace.slice(0, MAX_REPORT_ROWS)
-    out = [run_section(summary, truncated), points_section(summary), tier_section(requests), curve_section(summary)]
+    out = [answer_section(summary), run_section(summary, truncated), config_section(summary)]
+    out += [points_section(summary), tier_section(requests), curve_section(summary)]
     out += breakdown_sections(summary)
     out.append(fairness_section(summary))
     if point is not None:

@@ -74,7 +74,8 @@ def plain(x: float, digits: int = 4) -> str:
     if x == 0:
         return "0"
     decimals = max(digits - 1 - math.floor(math.log10(abs(x))), 0)
-    return f"{x:,.{decimals}f}"
+    text = f"{x:,.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text  # 0.5, not 0.5000
 
 
 def duration(seconds: float | None) -> str:
