@@ -14,6 +14,7 @@ from kvbench.live.distributed import EXECUTORS
 from kvbench.redact import redact_argv
 from kvbench.run.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
 from kvbench.run.plugins import backend_names, load_backend
+from kvbench.run.saturation import describe as describe_saturation
 from kvbench.trace.stats import DEFAULT_WARMUP
 
 DEFAULT_BACKEND = "sim"
@@ -221,6 +222,9 @@ def _print_points(summary: dict) -> None:
         click.echo(f"{p['name']:>28}: {_token_hit_rate(p)}{flag}")
         if "failures" in p:
             click.echo(f"{'requests':>28}: {describe(p['failures'])}")
+        if p.get("saturation"):  # engine-sim and live points: whether the deployment kept up with the load
+            line = describe_saturation(p["saturation"])
+            click.secho(f"{'load':>28}: {line}", fg="yellow" if p["saturation"]["saturated"] else None)
     if summary.get("workers"):
         workers = summary["workers"]
         alive = sum(w["status"] == "alive" for w in workers)

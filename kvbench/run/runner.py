@@ -24,6 +24,7 @@ from kvbench.run.backend import OfflineBackend, OnlineBackend, PointResult, Stre
 from kvbench.run.plugins import load_backend
 from kvbench.run.results import WRITE_ROWS, ResultWriter
 from kvbench.run.rundir import RunDir, stamp
+from kvbench.run.saturation import saturation
 from kvbench.trace.files import TraceMeta
 from kvbench.trace.metrics import MetricSums
 from kvbench.trace.scan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
@@ -250,7 +251,29 @@ def _run_online(backend: OnlineBackend, backend_name, backend_options, trace, ru
     except KeyboardInterrupt:
         summary["interrupted"] = True
     finally:
+        _live_saturation(run_dir, summary)
         _finish(run_dir, summary, report, trace.table)
+
+
+LIVE_TIMING = ["point", "scheduled_send_s", "actual_send_s", "ttft_s", "e2el_s", "status", "input_tokens"]
+
+
+def _live_saturation(run_dir: Path, summary: dict) -> None:
+    """A live point's saturation verdict, from the rows just written: its summary record was made by the live
+    path (in one process or from Ray workers), requests.parquet holds every outcome either way."""
+    from kvbench.run.results import read_requests
+
+    try:
+        rows = read_requests(run_dir, columns=LIVE_TIMING)
+    except KvbenchError:
+        return  # nothing was written: the run failed before its first request
+    for point in summary["points"]:
+        mine = rows.filter(pc.equal(rows.column("point"), point["name"]))
+        if mine.num_rows:
+            cols = {k: mine.column(k).to_numpy(zero_copy_only=False) for k in LIVE_TIMING[1:6]}
+            verdict = saturation(cols, mine.column("input_tokens").to_numpy(zero_copy_only=False))
+            if verdict is not None:
+                point["saturation"] = verdict
 
 
 def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progress, report) -> None:
@@ -267,7 +290,12 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
         for point in points:
             if scanned is not None or "hit_blocks" in point.columns:
                 point, totals = _write_and_sum(point, trace, writer, warmup)
-                summary["points"].append({"name": point.name, **point.labels, **totals, **point.extra})
+                record = {"name": point.name, **point.labels, **totals, **point.extra}
+                if scanned is None:  # a streamed point keeps no per-request columns (bounded memory)
+                    verdict = saturation(point.columns, trace.table.column("input_tokens").to_numpy())
+                    if verdict is not None:  # time modeled (engine-sim); a cache simulation has none
+                        record["saturation"] = verdict
+                summary["points"].append(record)
             if "curve" in point.extra:
                 summary["curves"].append({**point.labels, **point.extra["curve"]})
             _write_summary(run_dir, summary)

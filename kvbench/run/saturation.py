@@ -1,0 +1,163 @@
+"""Whether a point's deployment kept up with the load it was offered (docs/semantics.md, Saturation).
+
+A replay that offers more work than the deployment serves does not measure latency: its queue grows for as long
+as the trace lasts, so TTFT and E2EL grow with the trace's length and their percentiles say nothing about the
+deployment. This module reads a point's per-request timing (modeled by engine-sim, measured by a live run) and
+says whether, and from when, the queue grew without recovering, beside the offered and served rates.
+
+The verdict rests on queueing delay, not on rates alone: a short, dense trace whose last requests take long to
+finish has a served rate below its offered rate without any queue building up, while a queue that keeps growing
+to the end of the run is saturation whatever the rates say.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+MIN_REQUESTS = 8  # fewer timed requests than this give no trend worth a verdict
+MAX_BINS = 20  # bins of the run, in schedule order, whose median delays are compared
+MIN_PER_BIN = 5  # ... each holding at least this many requests (when the run has them), so a median is stable
+FLOOR_S = 0.05  # growth below this is noise in any deployment (a scheduler tick, a network round trip)
+SETTLED = 0.25  # a bin is back "at the early level" when its median is within this share of the threshold
+
+
+def saturation(columns: Mapping[str, object], input_tokens=None) -> dict | None:
+    """The saturation verdict of one point from its per-request columns: `scheduled_send_s` (when the trace or
+    the pacing meant each request to go), `actual_send_s`, `e2el_s`, `status`, and the queueing signal —
+    `queue_s` (engine-sim: arrival to the scheduler's admission) or else `ttft_s` (a live server queues before
+    the first token). `input_tokens`: the prompts' lengths, for the offered token rate. None when the point has
+    no timing (an offline cache simulation)."""
+    scheduled = _floats(columns.get("scheduled_send_s"))
+    if scheduled is None or not np.isfinite(scheduled).any():
+        return None
+    n = scheduled.size
+    sent = _floats(columns.get("actual_send_s"))
+    sent = scheduled if sent is None else sent
+    e2el = _floats(columns.get("e2el_s"))
+    e2el = np.full(n, np.nan) if e2el is None else e2el
+    status = np.asarray(columns.get("status") if columns.get("status") is not None else ["ok"] * n, dtype=object)
+    ok = (status == "ok") & np.isfinite(e2el) & np.isfinite(sent)
+    queue = _floats(columns.get("queue_s"))
+    wait = queue if queue is not None else _floats(columns.get("ttft_s"))
+    wait = np.full(n, np.nan) if wait is None else wait
+    # Delay from when a request was due to when the deployment took it up: client-side schedule lag (a
+    # concurrency cap, a client that cannot keep up) plus the server's own queue.
+    lag = np.where(np.isfinite(sent), sent - scheduled, np.nan)
+    delay = np.where(ok, lag + wait, np.nan)
+    timed_out = status == "timeout"
+    if timed_out.any() and np.isfinite(delay).any():
+        # a request given up on waited at least as long as the longest that got through: it counts as that
+        # (a lower bound), so a run that ends in timeouts does not hide its queue by dropping them
+        delay = np.where(timed_out, np.nanmax(delay), delay)
+
+    valid = np.isfinite(scheduled)
+    t0, t1 = float(scheduled[valid].min()), float(scheduled[valid].max())
+    span = t1 - t0
+    done = int(ok.sum())
+    finish = sent[ok] + e2el[ok]
+    served_window = float(finish.max()) - t0 if done else 0.0
+    offered_rps = int(valid.sum()) / span if span > 0 else None
+    tokens = None if input_tokens is None else np.asarray(input_tokens, dtype=np.float64)
+    offered_tps = float(tokens[valid].sum()) / span if span > 0 and tokens is not None else None
+    served_rps = done / served_window if served_window > 0 else None
+    out = {
+        "saturated": False,
+        "from_s": None,
+        "offered_rps": offered_rps,
+        "offered_input_tps": offered_tps,
+        "served_rps": served_rps,
+        "queue_growth_s": None,
+        "early_delay_s": None,
+        "late_delay_s": None,
+        "signal": "queue_s" if queue is not None else "schedule lag + ttft_s",
+        "bins": None,
+    }
+    timed = np.isfinite(delay) & valid
+    if int(timed.sum()) < MIN_REQUESTS:
+        out["why"] = f"too few timed requests ({int(timed.sum())}) to see a trend in queueing delay"
+        return out
+    service = np.where(ok, e2el, np.nan)[timed]  # a timed-out request has no service time of its own
+    return _verdict(out, scheduled[timed] - t0, delay[timed], service)
+
+
+def _verdict(out: dict, t: np.ndarray, delay: np.ndarray, e2el: np.ndarray) -> dict:
+    """Bin the delays in schedule order and compare the last quarter of the run with the first."""
+    order = np.argsort(t, kind="stable")
+    t, delay, e2el = t[order], delay[order], e2el[order]
+    n_bins = int(min(MAX_BINS, max(4, t.size // MIN_PER_BIN)))
+    edges = np.linspace(0, t.size, n_bins + 1).astype(int)  # equal counts: bursty traces leave no bin empty
+    starts = [float(t[a]) for a in edges[:-1]]
+    medians = np.array([float(np.median(delay[a:b])) for a, b in zip(edges[:-1], edges[1:])])
+    quarter = max(1, n_bins // 4)
+    early, late = float(np.median(medians[:quarter])), float(np.median(medians[-quarter:]))
+    growth = late - early
+    # What counts as growth: more than a typical request's own service time (a request waiting longer than it
+    # takes to serve is queued behind others, not merely slow), and never less than FLOOR_S. The service time
+    # is taken in the first quarter, before any queue: later E2ELs include the queue being measured.
+    early_e2el = e2el[: edges[quarter]]
+    early_e2el = early_e2el[np.isfinite(early_e2el)]
+    threshold = max(float(np.median(early_e2el)) if early_e2el.size else 0.0, FLOOR_S)
+    above = medians > early + threshold
+    out.update(
+        queue_growth_s=growth,
+        early_delay_s=early,
+        late_delay_s=late,
+        bins={"start_s": starts, "median_delay_s": medians.tolist()},
+    )
+    if growth > threshold and above[-1]:
+        # "from": the start of the bin after the last one still near the early level, i.e. the moment the
+        # queue began the growth it never recovered from
+        settled = np.nonzero(medians <= early + SETTLED * threshold)[0]
+        first = int(settled[-1]) + 1 if settled.size else 0
+        out.update(saturated=True, from_s=starts[min(first, n_bins - 1)])
+        out["why"] = (
+            f"queueing delay grew from {_s(early)} early in the run to {_s(late)} in its last quarter and "
+            f"did not recover (threshold {_s(threshold)}, an early request's median E2EL)"
+        )
+    elif growth > threshold:
+        out["why"] = (
+            f"queueing delay grew from {_s(early)} to {_s(late)} in the last quarter but was back near its "
+            "early level at the end: a burst the deployment worked off"
+        )
+    else:
+        out["why"] = (
+            f"queueing delay stayed near its early level ({_s(early)} early, {_s(late)} in the last quarter; "
+            f"growth counts past {_s(threshold)})"
+        )
+    return out
+
+
+def describe(verdict: dict | None) -> str | None:
+    """One line for the terminal and the reports: 'saturated from t = 812 s: offered 9.1 req/s, served 4.2
+    req/s', or 'not saturated: …'; None without a verdict."""
+    if not verdict:
+        return None
+    rates = f"offered {_rate(verdict.get('offered_rps'))}, served {_rate(verdict.get('served_rps'))}"
+    if verdict["saturated"]:
+        return f"saturated from t = {_s(verdict['from_s'])}: {rates}"
+    return f"not saturated: {rates}"
+
+
+def _rate(rps: float | None) -> str:
+    if rps is None:
+        return "– req/s"
+    return f"{rps:,.3g} req/s" if rps < 100 else f"{rps:,.0f} req/s"
+
+
+def _s(seconds: float | None) -> str:
+    # seconds kept in seconds (not min/h): 'from t = 812 s' reads against the trace's own arrival_s
+    if seconds is None or not math.isfinite(seconds):
+        return "–"
+    return f"{seconds:,.0f} s" if abs(seconds) >= 10 else f"{seconds:.3g} s"
+
+
+def _floats(values) -> np.ndarray | None:
+    if values is None:
+        return None
+    arr = np.asarray(values, dtype=object if not isinstance(values, np.ndarray) else None)
+    if arr.dtype == object:
+        arr = np.array([np.nan if v is None else v for v in arr], dtype=np.float64)
+    return arr.astype(np.float64)
