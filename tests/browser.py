@@ -1,37 +1,24 @@
 """Render a report in headless Chromium and say what went wrong: console errors and warnings, uncaught page
-errors, requests (a self-contained report fetches nothing), and whether its plots (<svg>, <canvas>) drew.
+errors, requests (a self-contained report fetches nothing), and whether its plots (<svg>, <canvas>) drew; and
+read a report.md's sections to find the points a per-point section leaves out.
 
-Drives the system's Chromium (Debian's `chromium`, or the binary KVBENCH_CHROMIUM names) with the Python
-`playwright` package; never `playwright install` (no browser downloads). Tests call `require_browser()` (or use
-the `browser_required` fixture): it skips when Chromium or playwright is missing, and fails instead when
+The browser is driven by kvbench.report.screenshot (the code `kvbench report --screenshot` uses), so the tests
+see the pages exactly as the pictures users take do. Tests call `require_browser()` (or use the
+`browser_required` fixture): it skips when Chromium or playwright is missing, and fails instead when
 KVBENCH_REQUIRE_BROWSER is set (as .ci/run does), like KVBENCH_REQUIRE_ENGINES for the engine tests.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from .conftest import missing
+from kvbench.report.screenshot import browser_problem, capture, chromium, new_page
 
-# Root in a container with no network: no sandbox, no GPU, nothing that phones home.
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",  # containers often have a 64 MB /dev/shm; Chromium then crashes without it
-]
-# playwright gives every launch a fresh temporary profile (--user-data-dir), removed on close.
-TIMEOUT_MS = 60_000  # a 2-core CI machine that is also running other things
+from .conftest import missing
 
 # Elements that draw; those under <defs>, <clipPath>, … only define shapes that are drawn by reference.
 _MEASURE_JS = """() => {
@@ -87,28 +74,6 @@ class PageCheck:
         return "\n".join(lines)
 
 
-def chromium_executable() -> str | None:
-    """KVBENCH_CHROMIUM when set (an empty or missing path hides Chromium), else `chromium` on PATH."""
-    named = os.environ.get("KVBENCH_CHROMIUM")
-    if named is not None:
-        return named if named and os.access(named, os.X_OK) else None
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def browser_problem() -> str | None:
-    """Why no page can be rendered here, or None."""
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "the Python package playwright is not installed (pip install -e '.[dev]')"
-    if chromium_executable() is None:
-        where = os.environ.get("KVBENCH_CHROMIUM")
-        if where is not None:
-            return f"KVBENCH_CHROMIUM={where!r} is not an executable"
-        return "no chromium on PATH (apt-get install chromium, or set KVBENCH_CHROMIUM to the binary)"
-    return None
-
-
 def require_browser() -> None:
     problem = browser_problem()
     if problem is None:
@@ -122,48 +87,101 @@ def browser_required():
     require_browser()
 
 
-def check_page(html_path, screenshot: Path | None = None) -> PageCheck:
-    """Open `html_path` (file://) in headless Chromium, wait until it is idle, and return what happened."""
-    from playwright.sync_api import sync_playwright
-
+def _check_one(browser, html_path, screenshot: Path | None) -> PageCheck:
     url = Path(html_path).resolve().as_uri()
     result = PageCheck(url)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_executable(), args=CHROMIUM_ARGS, timeout=TIMEOUT_MS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(TIMEOUT_MS)
+    page = new_page(browser)
 
-            def on_console(msg):
-                where = msg.location or {}
-                text = f"{msg.text} ({where.get('url', '')}:{where.get('lineNumber', '')})"
-                if msg.type == "error":
-                    result.console_errors.append(text)
-                elif msg.type == "warning":
-                    result.console_warnings.append(text)
+    def on_console(msg):
+        where = msg.location or {}
+        text = f"{msg.text} ({where.get('url', '')}:{where.get('lineNumber', '')})"
+        if msg.type == "error":
+            result.console_errors.append(text)
+        elif msg.type == "warning":
+            result.console_warnings.append(text)
 
-            def on_request(req):
-                if req.url != url and not req.url.startswith(("data:", "blob:")):
-                    result.requests.append(req.url)
+    def on_request(req):
+        if req.url != url and not req.url.startswith(("data:", "blob:")):
+            result.requests.append(req.url)
 
-            page.on("console", on_console)
-            page.on("pageerror", lambda exc: result.page_errors.append(str(exc)))
-            page.on("request", on_request)
-            page.on("requestfailed", lambda req: result.failed_requests.append(f"{req.url}: {req.failure}"))
-            page.goto(url, wait_until="networkidle")
-            result.title = page.title()
-            found = page.evaluate(_MEASURE_JS)
-            result.svg_total = len(found["svg"])
-            result.svg_nonempty = sum(
-                s["drawn"] > 0 and s["width"] > 0 and s["height"] > 0 and s["bbox"][0] > 0 and s["bbox"][1] > 0
-                for s in found["svg"]
-            )
-            result.canvas_total = len(found["canvas"])
-            result.canvas_nonempty = sum(c["width"] > 0 and c["height"] > 0 and c["shown"] for c in found["canvas"])
-            if screenshot is not None:
-                Path(screenshot).parent.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(screenshot), full_page=True)
-                result.screenshot = Path(screenshot)
-        finally:
-            browser.close()
+    page.on("console", on_console)
+    page.on("pageerror", lambda exc: result.page_errors.append(str(exc)))
+    page.on("request", on_request)
+    page.on("requestfailed", lambda req: result.failed_requests.append(f"{req.url}: {req.failure}"))
+    try:
+        page.goto(url, wait_until="networkidle")
+        result.title = page.title()
+        found = page.evaluate(_MEASURE_JS)
+        result.svg_total = len(found["svg"])
+        result.svg_nonempty = sum(
+            s["drawn"] > 0 and s["width"] > 0 and s["height"] > 0 and s["bbox"][0] > 0 and s["bbox"][1] > 0
+            for s in found["svg"]
+        )
+        result.canvas_total = len(found["canvas"])
+        result.canvas_nonempty = sum(c["width"] > 0 and c["height"] > 0 and c["shown"] for c in found["canvas"])
+        if screenshot is not None:
+            result.screenshot = capture(page, screenshot)
+    finally:
+        page.close()
     return result
+
+
+def check_pages(pages: list[tuple[Path, Path | None]]) -> list[PageCheck]:
+    """Each (html, screenshot or None): open it (file://) in one headless Chromium, wait until it is idle, and
+    return what happened; with a screenshot path, also write its full-page PNG there."""
+    with chromium() as browser:
+        return [_check_one(browser, html, png) for html, png in pages]
+
+
+def check_page(html_path, screenshot: Path | None = None) -> PageCheck:
+    return check_pages([(html_path, screenshot)])[0]
+
+
+# --- report.md: which per-point sections leave points out ---------------------------------------------------
+
+
+def markdown_sections(md: str) -> dict[str, str]:
+    """The text of each `## ` section of a report.md, by heading (the page title and its preamble left out)."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in md.splitlines():
+        if line.startswith("## "):
+            current = line[3:].strip()
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    return {title: "\n".join(lines) for title, lines in sections.items()}
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table_headers(text: str) -> list[list[str]]:
+    """The header row of every markdown table in `text`: a `|` row followed by a `|---|` separator row."""
+    lines = text.splitlines()
+    return [
+        _cells(lines[i])
+        for i in range(len(lines) - 1)
+        if lines[i].lstrip().startswith("|") and re.fullmatch(r"\s*\|(\s*:?-+:?\s*\|)+\s*", lines[i + 1])
+    ]
+
+
+def _names(text: str, name: str) -> bool:
+    # A point name as a whole: lru/200blocks must not be found inside radix-lru/200blocks.
+    return re.search(rf"(?<![\w/.\-]){re.escape(name)}(?![\w/.\-])", text) is not None
+
+
+def points_missing_by_section(md: str, points: list[str]) -> dict[str, list[str]]:
+    """For each section of `md` that is per point (one of its tables has a `point` column, or point names as
+    column headers), the points it never names; sections that name every point are left out. Other sections
+    (the run's configuration, trace statistics) are not per point and are not looked at."""
+    missing: dict[str, list[str]] = {}
+    for title, text in markdown_sections(md).items():
+        headers = table_headers(text)
+        per_point = any("point" in (c.lower() for c in h) or any(c in points for c in h) for h in headers)
+        if per_point:
+            left_out = [p for p in points if not _names(text, p)]
+            if left_out:
+                missing[title] = left_out
+    return missing

@@ -1,24 +1,41 @@
-"""Every kvbench report renders in headless Chromium without console errors, uncaught page errors or requests
-(report.html is self-contained), and its plots are there and drawn (`@pytest.mark.browser`).
+"""Every kind of kvbench report renders in headless Chromium without console errors, uncaught page errors or
+requests (report.html is self-contained), its plots are there and drawn, each per-point section of a run report
+names every point, and `kvbench report --screenshot` pictures it (`@pytest.mark.browser`).
 
 Skipped without Chromium or playwright (tests/browser.py), failed instead when KVBENCH_REQUIRE_BROWSER is set
 (.ci/run). Only generic properties are asserted here, never section titles: what a report says is tested with
-the report code.
+the report code. Every page is also screenshotted (full page, 1400 px wide) into a folder pytest keeps
+(pytest-of-$USER/…/screenshots*); KVBENCH_SCREENSHOTS=DIR copies them to DIR, to look at in a review.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
+from click.testing import CliRunner
 
 from kvbench.live.fakeserver import FakeServer, fault_plan
 from kvbench.run.runner import run_replay
 
-from ..browser import browser_required, check_page  # noqa: F401  (browser_required: a fixture, used below)
+from ..browser import browser_required, check_pages, points_missing_by_section  # noqa: F401  (a fixture, below)
 from ..conftest import CHAT
 from ..unit.live.conftest import RunningServer
 
 # browser_required is session-scoped, so a missing browser skips before the module-scoped replays run.
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("browser_required")]
+
+RUN_KINDS = ["sim", "engine-sim", "torch", "live"]  # run directories: report.html, report.md and summary.json
+PAGE_KINDS = ["compare", "sweep"]  # pages made of several runs
+# Per-point sections known to list only some of the points (issue 16, point 3, being fixed): asserted in a
+# test of their own that is expected to fail until then, so the check itself stays as strict as it is.
+KNOWN_INCOMPLETE = {
+    "Hit rate by tenant": "issue 16: tables of the first 8 points only",
+    "Hit rate by workload": "issue 16: tables of the first 8 points only",
+    "Hit rate by modality": "issue 16: tables of the first 8 points only",
+}
 
 
 def assert_renders_cleanly(check):
@@ -29,48 +46,153 @@ def assert_renders_cleanly(check):
     assert check.canvas_nonempty == check.canvas_total, f"an empty canvas\n{check}"
 
 
-@pytest.fixture(scope="module")
-def sim_report(tmp_path_factory):
-    """Three policies × three capacities with the Belady bound, and the one-pass curves."""
-    out = tmp_path_factory.mktemp("sim") / "run"
-    run_replay(
-        CHAT,
-        "sim",
-        {"policy": "lru,radix-lru,vllm", "capacity": "200,1000,5000", "curve": True},
-        out=out,
-        report=True,
-    )
-    return out / "report.html"
+@pytest.fixture(scope="session")
+def shots(tmp_path_factory):
+    """Where the screenshots go; `keep(png)` also copies one to $KVBENCH_SCREENSHOTS when that is set."""
+    folder = tmp_path_factory.mktemp("screenshots")
+
+    def keep(png):
+        if os.environ.get("KVBENCH_SCREENSHOTS"):
+            review = os.path.abspath(os.environ["KVBENCH_SCREENSHOTS"])
+            os.makedirs(review, exist_ok=True)
+            shutil.copy(png, review)
+        return png
+
+    keep.folder = folder
+    return keep
 
 
 @pytest.fixture(scope="module")
-def live_report(tmp_path_factory):
-    """A live replay against the fake server with a few injected faults (failed requests in the report)."""
+def runs(tmp_path_factory, sample_head):
+    """One run directory of each kind, replayed once for the module: {kind: run directory}."""
+    made = {}
+    base = tmp_path_factory.mktemp("runs")
+    # sim: three policies × three capacities with the Belady bounds, and the one-pass curves
+    made["sim"] = run_replay(
+        CHAT, "sim", {"policy": "lru,radix-lru,vllm", "capacity": "200,1000,5000", "curve": True},
+        out=base / "sim", report=True,
+    )[0]  # fmt: skip
+    small = sample_head("chat", 300)  # the modeled and real engines: a short trace keeps them quick
+    made["engine-sim"] = run_replay(small, "engine-sim", {"policy": "lru,vllm"}, out=base / "engine-sim")[0]
+    if _has_torch():
+        opts = {"policy": "lru,vllm", "capacity": "400,1500", "dram_capacity": "600"}
+        made["torch"] = run_replay(small, "torch", opts, out=base / "torch")[0]
+    # live: the fake server with a few injected faults, so the report has failed requests
     srv = RunningServer(FakeServer(16, 0.001, fault_plan(["3:http500", "7:cut", "11:malformed", "15:error"])))
     try:
-        out = tmp_path_factory.mktemp("live") / "run"
         opts = {"url": srv.url, "mode": "rate", "rate": 100.0, "max_requests": 60, "timeout_s": 3.0}
-        run_replay(CHAT, "openai", opts, out=out, report=True)
+        made["live"] = run_replay(CHAT, "openai", opts, out=base / "live", report=True)[0]
     finally:
         srv.stop()
-    return out / "report.html"
+    return made
 
 
-def test_sim_report_renders(sim_report):
-    assert_renders_cleanly(check_page(sim_report))
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
-def test_live_report_renders(live_report):
-    assert_renders_cleanly(check_page(live_report))
+@pytest.fixture(scope="module")
+def pages(runs, sample_head, tmp_path_factory):
+    """The pages made of several runs: {kind: html}; compare: the live run beside its models."""
+    from kvbench import api
+
+    base = tmp_path_factory.mktemp("pages")
+    api.compare(runs["live"], runs["engine-sim"], runs["sim"], out=base / "compare")
+    api.sweep(trace=sample_head("chat", 300), backend="sim", policy="lru,vllm", capacity="400,1500", out=base / "sweep")
+    return {"compare": base / "compare" / "compare.html", "sweep": base / "sweep" / "index.html"}
 
 
-def test_screenshot_is_written(sim_report, tmp_path):
-    png = tmp_path / "report.png"
-    check = check_page(sim_report, screenshot=png)
-    assert check.screenshot == png
+def _run(runs, kind):
+    if kind not in runs:
+        pytest.skip(f"{kind}: not installed here")
+    return runs[kind]
+
+
+@pytest.mark.parametrize("kind", RUN_KINDS)
+def test_run_report_renders_and_is_pictured(runs, shots, kind):
+    run = _run(runs, kind)
+    (check,) = check_pages([(run / "report.html", shots.folder / f"{kind}.png")])
+    assert_renders_cleanly(check)
+    assert_is_a_picture(shots(check.screenshot))
+
+
+@pytest.mark.parametrize("kind", PAGE_KINDS)
+def test_page_of_several_runs_renders_and_is_pictured(pages, shots, kind):
+    (check,) = check_pages([(pages[kind], shots.folder / f"{kind}.png")])
+    assert_renders_cleanly(check)
+    assert_is_a_picture(shots(check.screenshot))
+
+
+def assert_is_a_picture(png):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(data) > 10_000, f"{len(data)} bytes: a blank page?"
+    assert len(data) > 10_000, f"{png}: {len(data)} bytes: a blank page?"
+
+
+def _missing_points(run):
+    names = [p["name"] for p in json.loads((run / "summary.json").read_text())["points"]]
+    return points_missing_by_section((run / "report.md").read_text(), names)
+
+
+@pytest.mark.parametrize("kind", RUN_KINDS)
+def test_every_per_point_section_names_every_point(runs, kind):
+    missing = {s: m for s, m in _missing_points(_run(runs, kind)).items() if s not in KNOWN_INCOMPLETE}
+    assert not missing, f"per-point sections that leave points out: {missing}"
+
+
+@pytest.mark.xfail(strict=False, reason="; ".join(f"{s}: {why}" for s, why in KNOWN_INCOMPLETE.items()))
+@pytest.mark.parametrize("kind", RUN_KINDS)
+def test_known_incomplete_sections_name_every_point(runs, kind):
+    missing = {s: m for s, m in _missing_points(_run(runs, kind)).items() if s in KNOWN_INCOMPLETE}
+    assert not missing, f"per-point sections that leave points out: {missing}"
+
+
+def test_sweep_index_names_every_point(pages):
+    index = pages["sweep"]
+    names = [p["name"] for p in json.loads((index.parent / "sweep.json").read_text())["points"]]
+    assert not points_missing_by_section((index.parent / "index.md").read_text(), names)
+
+
+def test_the_point_check_sees_a_point_left_out():
+    md = "# t\n\n## Run\n\n| key | value |\n|---|---|\n| a | b |\n\n## Per point\n\n| point | x |\n|---|---:|\n"
+    md += "| radix-lru/1 | 1 |\n\n## By tenant\n\n| tenant | lru/1 | radix-lru/1 |\n|---|---|---|\n| t | 1 | 2 |\n"
+    assert points_missing_by_section(md, ["lru/1", "radix-lru/1"]) == {"Per point": ["lru/1"]}
+
+
+def test_report_command_takes_screenshots(runs, pages, shots):
+    """`kvbench report RUN COMPARE_DIR --screenshot`: the run is rendered again, both pages are pictured."""
+    from kvbench.cli import main
+
+    run, compare_dir = runs["sim"], pages["compare"].parent
+    r = CliRunner().invoke(main, ["report", str(run), str(compare_dir), "--screenshot"])
+    assert r.exit_code == 0, r.output
+    for png in (run / "screenshots" / "report.png", compare_dir / "screenshots" / "compare.png"):
+        assert str(png) in r.output
+        assert_is_a_picture(png)
+    first = (run / "screenshots" / "report.png").stat().st_mtime_ns
+    r = CliRunner().invoke(main, ["report", str(run), "--screenshot"])  # a picture of the same page: replaced
+    assert r.exit_code == 0 and (run / "screenshots" / "report.png").stat().st_mtime_ns > first
+
+
+def test_report_command_without_a_browser_still_writes_the_report(runs, monkeypatch):
+    from kvbench.cli import main
+
+    run = runs["live"]
+    (run / "report.html").unlink()
+    monkeypatch.setenv("KVBENCH_CHROMIUM", "")  # an empty path hides Chromium
+    r = CliRunner().invoke(main, ["report", str(run), "--screenshot"])
+    assert r.exit_code != 0
+    assert "apt install chromium" in r.output and "pip install playwright" in r.output
+    assert (run / "report.html").exists() and not (run / "screenshots").exists()
+
+
+def test_report_command_refuses_a_page_folder_without_screenshot(pages):
+    from kvbench.cli import main
+
+    r = CliRunner().invoke(main, ["report", str(pages["compare"].parent)])
+    assert r.exit_code != 0 and "kvbench compare --out" in r.output
 
 
 def test_the_check_sees_what_is_wrong(tmp_path):
@@ -83,7 +205,7 @@ def test_the_check_sees_what_is_wrong(tmp_path):
         "<canvas width='0' height='0'></canvas>"
         "<script>console.error('boom'); console.warn('hmm'); null.x;</script></body></html>"
     )
-    check = check_page(page)
+    (check,) = check_pages([(page, None)])
     assert check.title == ""
     assert any("boom" in m for m in check.console_errors) and any("hmm" in m for m in check.console_warnings)
     assert len(check.page_errors) == 1
@@ -92,22 +214,21 @@ def test_the_check_sees_what_is_wrong(tmp_path):
     assert len(check.problems) >= 3
 
 
-def test_demo_index_and_every_demo_report_render(tmp_path):
-    """`kvbench demo` (small traces): the index shows every workload's curves, and each run's report renders."""
-    import subprocess
-
+def test_demo_index_and_every_demo_report_render(tmp_path, shots):
+    """The demo (small traces, offline): the index shows every workload's curves, each run's report renders."""
+    from kvbench.run.demo import demo_backends, run_demo
     from kvbench.trace import generators
 
-    out = tmp_path / "demo"
-    r = subprocess.run(["kvbench", "demo", "-n", "300", "--out", str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    png = tmp_path / "index.png"
-    index = check_page(out / "index.html", screenshot=png)
-    assert_renders_cleanly(index)
-    assert png.stat().st_size > 10_000
-    from kvbench.run.demo import demo_backends
-
-    reports = sorted(out.glob("runs/*/report.html"))
+    demo = run_demo(tmp_path / "demo", n=200, step=lambda _: None)
+    reports = sorted(demo.out.glob("runs/*/report.html"))
     assert len(reports) == len(generators.registry()) * len(demo_backends())
-    for report in reports:
-        assert_renders_cleanly(check_page(report))
+    # every page in one browser; the index and the multi-tenant workload's reports (the longest) are pictured
+    wanted = [(demo.out / "index.html", shots.folder / "demo-index.png")]
+    wanted += [
+        (r, shots.folder / f"demo-{r.parent.name}.png" if r.parent.name.startswith("multi-tenant-") else None)
+        for r in reports
+    ]
+    for check in check_pages(wanted):
+        assert_renders_cleanly(check)
+        if check.screenshot is not None:
+            assert_is_a_picture(shots(check.screenshot))
