@@ -8,8 +8,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from kvbench.report.answer import answer_section
+from kvbench.report.failures import failure_section
 from kvbench.report.hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
-from kvbench.report.page import Section, Table, num, render_html, render_markdown
+from kvbench.report.page import Section, Table, render_html, render_markdown
+from kvbench.report.serving import engine_section, server_section
 from kvbench.report.style import plain
 from kvbench.report.timing import latency_sections, timeline_section
 from kvbench.report.transfers import transfer_section
@@ -100,70 +102,6 @@ def config_section(summary: dict) -> Section:
     return Section("Configuration", [Table(["setting", "value", "unit"], rows)] if rows else [])
 
 
-def requests_section(point: dict) -> Section:
-    """A live run's requests by outcome and its most common errors (`failures.failure_summary`)."""
-    f = point.get("failures")
-    if not f:
-        return Section("Requests")
-    rate = "–" if f["failure_rate"] is None else f"{f['failure_rate']:.1%}"
-    counts = [[f["requests"], f["ok"], f["failed"], f["timeout"], f["cancelled"], f["not_sent"], rate]]
-    items: list = [Table(["requests", "ok", "failed", "of which timeout", "cancelled", "not sent", "failed share"],
-                         [[num(v) if isinstance(v, int) else v for v in counts[0]]])]  # fmt: skip
-    if f["top_errors"]:
-        items.append("Most common errors (the class each error text starts with; requests.parquet has them all):")
-        items.append(Table(["error", "requests"], [[e["error"], num(e["count"])] for e in f["top_errors"]]))
-    return Section("Requests", items)
-
-
-def server_section(point: dict) -> Section:
-    sc = point.get("server_counters")
-    if not sc or not sc.get("available"):
-        return Section("Server counters")
-    rows = [
-        [key, num(c["requests"]), num(c["server"]), "yes" if c["agree"] else "NO"]
-        for key, c in sorted(sc.get("checks", {}).items())
-    ]
-    note = (
-        "Deltas of the engine's /metrics counters over the run beside the sums of what each response reported; "
-        "they are reported separately and flagged when they differ by more than 1 %."
-    )
-    return Section("Server counters", [note, Table(["counter", "sum over responses", "server delta", "agree"], rows)])
-
-
-def _flat(d: dict, prefix: str = "") -> list[list[str]]:
-    rows = []
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            rows += _flat(v, key + ".")
-        elif isinstance(v, list) and v and isinstance(v[0], dict):
-            continue  # shown as its own table
-        else:
-            rows.append([key, num(v) if isinstance(v, int | float) and not isinstance(v, bool) else str(v)])
-    return rows
-
-
-def engine_section(point: dict) -> Section:
-    """A modeling backend's facts (engine-sim: preemptions, tier traffic, KV lifetimes) and each scenario's."""
-    engine = point.get("engine")
-    if not engine:
-        return Section("Engine model")
-    facts = {k: v for k, v in engine.items() if k != "scenarios"}
-    items: list = [Table(["fact", "value"], _flat(facts))]
-    for name, scenario in (engine.get("scenarios") or {}).items():
-        items.append(f"Scenario {name}:")
-        items.append(Table(["fact", "value"], _flat(scenario)))
-        for rows in scenario.values():
-            if isinstance(rows, list) and rows and isinstance(rows[0], dict):
-                items.append(
-                    Table(
-                        list(rows[0]),
-                        [[num(v) if isinstance(v, int | float) else str(v) for v in r.values()] for r in rows],
-                    )
-                )
-    return Section("Engine model", items)
-
-
 def sections(
     summary: dict, requests: pa.Table | None, trace: pa.Table | None, truncated: bool = False
 ) -> list[Section]:
@@ -175,13 +113,13 @@ def sections(
     out += [points_section(summary), tier_section(requests), curve_section(summary)]
     out += breakdown_sections(summary)
     out.append(fairness_section(summary))
-    if point is not None:
-        out.append(requests_section(point))
-        out += latency_sections(point, requests)
-        out.append(server_section(point))
-        out.append(engine_section(point))
+    if point is not None:  # the serving sections cover every point; the trace views, the first point's
+        out.append(failure_section(summary, requests))
+        out += latency_sections(summary, requests)
+        out.append(server_section(summary))
+        out.append(engine_section(summary))
         out.append(transfer_section(summary))
-        out.append(timeline_section(summary, point, requests, trace))
+        out.append(timeline_section(summary, requests, trace))
         out.append(agent_section(requests, trace, name))
         out.append(characterisation_section(requests, trace, name))
     return out

@@ -1,5 +1,6 @@
-"""Latency and time sections of a run report: percentile tables and CDFs of TTFT / TPOT / ITL / E2EL,
-per-tenant latency fairness, and the timeline of request rate, latency and KV occupancy."""
+"""Latency and time sections of a run report, for every point: percentile tables and CDFs of TTFT / TPOT / ITL /
+E2EL, per-tenant latency fairness, and the timeline of request rate, latency and KV occupancy. Times are
+written in the unit that suits them (a 42,291,158 ms TTFT reads 11.7 h) and every point keeps one colour."""
 
 from __future__ import annotations
 
@@ -8,14 +9,33 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.live.latency import PERCENTILES
-from kvbench.report.page import Figure, Section, Table, num, pct, svg
+from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, duration, plain, time_axis
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("ttfo", "TTFO"))
 CDF_POINTS = 400  # quantiles drawn per CDF: enough for a smooth line, bounded for millions of requests
+MS_TABLE_LIMIT_MS = 10_000.0  # a table whose times all stay below this reads best in ms, two decimals
+MAX_TENANTS = 30  # tenants listed per point; the rest are in summary.json (latency.by_tenant)
+_INDEX_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def point_colours(points: list[dict]) -> dict[str, str]:
+    """A colour per point: its policy's colour (the same in every report) when the policies tell the points
+    apart, else one colour per point in order (vllm/1instances and vllm/2instances share a policy; a live
+    point has none)."""
+    policies = [p.get("policy") for p in points]
+    if all(policies) and len(set(policies)) == len(points):
+        return {p["name"]: colour(pol) for p, pol in zip(points, policies)}
+    return {p["name"]: _INDEX_COLOURS[i % len(_INDEX_COLOURS)] for i, p in enumerate(points)}
 
 
 def _ms(x) -> str:
     return "–" if x is None else f"{x:,.2f}"
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """(divisor, unit) for an axis of latencies reaching `seconds`: ms below a second, else time_axis's."""
+    return (1e-3, "ms") if seconds < 1.0 else time_axis(seconds)
 
 
 def measured(requests: pa.Table) -> pa.Table:
@@ -25,98 +45,135 @@ def measured(requests: pa.Table) -> pa.Table:
     return requests.filter(pc.and_(ok, pc.invert(warm)))
 
 
-def latency_sections(point: dict, requests: pa.Table | None) -> list[Section]:
-    lat = point.get("latency")
-    if not lat:
-        return [Section("Latency"), Section("Latency by tenant")]
-    rows = []
-    for key, title in METRICS:
-        d = lat.get(key)
-        if d:
-            rows.append(
-                [title, _ms(d["mean_ms"])]
-                + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES]
-                + [_ms(d["max_ms"]), num(d["count"])]
-            )
+def _latency_rows(lat: dict) -> list[tuple[str, dict]]:
+    """(metric title, distribution in ms) for every measured metric of a point, in table order."""
+    out = [(title, lat[key]) for key, title in METRICS if lat.get(key)]
     for key, title in (("ttft", "TTFT from scheduled send"), ("e2el", "E2EL from scheduled send")):
-        d = (lat.get("from_scheduled") or {}).get(key)
-        if d:
-            rows.append(
-                [title, _ms(d["mean_ms"])]
-                + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES]
-                + [_ms(d["max_ms"]), num(d["count"])]
-            )
+        if (lat.get("from_scheduled") or {}).get(key):
+            out.append((title, lat["from_scheduled"][key]))
     if lat.get("schedule_lag"):
-        d = lat["schedule_lag"]
-        rows.append(
-            ["schedule lag", _ms(d["mean_ms"])]
-            + [_ms(d[f"p{p}_ms"]) for p in PERCENTILES]
-            + [_ms(d["max_ms"]), num(d["count"])]
-        )
-    header = ["metric (ms)", "mean"] + [f"p{p}" for p in PERCENTILES] + ["max", "count"]
-    r = lat["requests"]
-    facts = [
-        [
-            "requests sent / ok / failed / not sent",
+        out.append(("schedule lag", lat["schedule_lag"]))
+    return out
+
+
+def _facts(points: list[dict]) -> Table:
+    """Requests, duration and throughput: one column per point."""
+
+    def column(lat: dict) -> list[str]:
+        r = lat["requests"]
+        g = lat.get("goodput")
+        return [
             f"{r['sent']:,} / {r['ok']:,} / {r['failed']:,} / {r['not_sent']:,}",
-        ],
-        ["warm-up requests (left out)", num(r["warmup"])],
-        ["duration (s)", num(lat.get("duration_s"))],
-        ["request throughput (req/s)", num(lat.get("request_throughput"))],
-        ["output throughput (tok/s)", num(lat.get("output_throughput"))],
+            plain(r["warmup"]),
+            duration(lat.get("duration_s")),
+            plain(lat.get("request_throughput")),
+            plain(lat.get("output_throughput")),
+        ] + ([f"{plain(g['requests_per_s'])} req/s, {pct(g['fraction'])} of requests"] if g else [])
+
+    labels = [
+        "requests sent / ok / failed / not sent",
+        "warm-up requests (left out)",
+        "duration",
+        "request throughput (req/s)",
+        "output throughput (tok/s)",
     ]
-    if lat.get("goodput"):
-        g = lat["goodput"]
-        slo = ", ".join(f"{k}≤{v:g}" for k, v in g["slo"].items())
-        facts.append([f"goodput ({slo})", f"{g['requests_per_s']:.4g} req/s, {pct(g['fraction'])} of requests"])
-    items: list = [Table(["", ""], facts), Table(header, rows)]
+    slo = next((p["latency"]["goodput"]["slo"] for p in points if p["latency"].get("goodput")), None)
+    if slo:
+        labels.append(f"goodput ({', '.join(f'{k}≤{v:g}' for k, v in slo.items())})")
+    cols = [column(p["latency"]) for p in points]
+    rows = [[label] + [c[i] if i < len(c) else "–" for c in cols] for i, label in enumerate(labels)]
+    return Table(["", *(p["name"] for p in points)], rows)
+
+
+def _percentile_table(points: list[dict]) -> Table:
+    """A row per metric, a row group per point; in ms when every time is ms-scale, else each time in its unit."""
+    groups = [(p["name"], _latency_rows(p["latency"])) for p in points]
+    values = [d[k] for _, rows in groups for _, d in rows for k in d if k.endswith("_ms") and d[k] is not None]
+    in_ms = not values or max(values) < MS_TABLE_LIMIT_MS
+    cell = _ms if in_ms else (lambda ms: duration(None if ms is None else ms / 1000.0))
+    header = ["metric (ms)" if in_ms else "metric", "mean"] + [f"p{p}" for p in PERCENTILES] + ["max", "count"]
+    rows = []
+    for name, metrics in groups:
+        for i, (title, d) in enumerate(metrics):
+            values = [cell(d["mean_ms"])] + [cell(d[f"p{q}_ms"]) for q in PERCENTILES] + [cell(d["max_ms"])]
+            row = [title, *values, plain(d["count"])]
+            rows.append(row if len(groups) == 1 else [name if i == 0 else "", *row])
+    if len(groups) > 1:
+        header = ["point", *header]
+    return Table(header, rows)
+
+
+def _tenant_items(points: list[dict]) -> list:
+    """Each point's tenants' median and p99 TTFT and slowdown, with Jain's index over their medians."""
+    points = [p for p in points if len(p["latency"].get("by_tenant") or []) > 1]
+    if not points:
+        return []
+    items: list = []
+    for p in points:
+        jain = ((p["latency"].get("fairness") or {}).get("jain") or {}).get("ttft_p50")
+        items.append(f"{p['name']}: Jain's index over tenants' median TTFT {plain(jain)} (1 = all wait the same).")
+    rows, cut = [], []
+    for p in points:
+        tenants = p["latency"]["by_tenant"]
+        if len(tenants) > MAX_TENANTS:
+            cut.append(f"{p['name']} {MAX_TENANTS} of {len(tenants)}")
+        for i, t in enumerate(tenants[:MAX_TENANTS]):
+            ttft = [duration(None if v is None else v / 1000) for v in (t["ttft_p50_ms"], t["ttft_p99_ms"])]
+            row = [t["name"], plain(t["requests"]), *ttft, plain(t["slowdown"])]
+            rows.append(row if len(points) == 1 else [p["name"] if i == 0 else "", *row])
+    header = ["tenant", "requests", "TTFT p50", "TTFT p99", "slowdown (p50 / everyone's p50)"]
+    items.append(Table(header if len(points) == 1 else ["point", *header], rows))
+    if cut:
+        items.append(f"Tenants shown: {'; '.join(cut)}; summary.json (latency.by_tenant) has them all.")
+    return items
+
+
+def latency_sections(summary: dict, requests: pa.Table | None) -> list[Section]:
+    points = [p for p in summary.get("points", []) if p.get("latency")]
+    if not points:
+        return [Section("Latency"), Section("Latency by tenant")]
+    items: list = [_facts(points)]
     if requests is not None:
-        fig = _cdfs(measured(requests))
+        fig = _cdfs(points, measured(requests))
         if fig is not None:
-            items.insert(
-                1, Figure(fig, "Cumulative distributions of per-request latencies (warm-up and failures excluded)")
-            )
-    tenants = lat.get("by_tenant") or []
-    tenant_items: list = []
-    if len(tenants) > 1:
-        jain = (lat.get("fairness") or {}).get("jain", {}).get("ttft_p50")
-        tenant_items = [
-            f"Jain's index over tenants' median TTFT: {num(jain)} (1 = every tenant waits the same).",
-            Table(
-                ["tenant", "requests", "TTFT p50 ms", "TTFT p99 ms", "slowdown (p50 / everyone's p50)"],
-                [
-                    [t["name"], num(t["requests"]), _ms(t["ttft_p50_ms"]), _ms(t["ttft_p99_ms"]), num(t["slowdown"])]
-                    for t in tenants[:30]
-                ],
-            ),
-        ]
-    return [Section("Latency", items), Section("Latency by tenant", tenant_items)]
+            caption = "Cumulative distributions of per-request latencies (warm-up and failures excluded)"
+            items.append(Figure(fig, caption + (", one colour per point" if len(points) > 1 else "")))
+    items.append(_percentile_table(points))
+    return [Section("Latency", items), Section("Latency by tenant", _tenant_items(points))]
 
 
-def _cdfs(rows: pa.Table) -> str | None:
+def _values(rows: pa.Table, key: str) -> np.ndarray:
+    column = pc.list_flatten(rows.column("itl_s")) if key == "itl" else rows.column(f"{key}_s")
+    values = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
+    return values[np.isfinite(values)]
+
+
+def _cdfs(points: list[dict], rows: pa.Table) -> str | None:
+    """A panel per metric that has data in some point (no empty axes), a line per point."""
     import matplotlib.pyplot as plt
 
-    if rows.num_rows == 0:
-        return None
-    series = []
+    colours = point_colours(points)
+    per_point = {p["name"]: rows.filter(pc.equal(rows.column("point"), p["name"])) for p in points}
+    panels = []
     for key, title in METRICS[:4]:
-        if key == "itl":
-            values = pc.list_flatten(rows.column("itl_s")).to_numpy(zero_copy_only=False)
-        else:
-            values = rows.column(f"{key}_s").to_numpy(zero_copy_only=False)
-        values = np.asarray(values, dtype=np.float64)
-        values = values[np.isfinite(values)]
-        if values.size:
-            series.append((title, values * 1000.0))
-    if not series:
+        series = [(name, _values(r, key)) for name, r in per_point.items()]
+        series = [(name, v) for name, v in series if v.size]
+        if series:
+            panels.append((title, series))
+    if not panels:
         return None
-    fig, axes = plt.subplots(1, len(series), figsize=(3 * len(series), 2.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(min(FULL_WIDTH, SMALL_MULTIPLE * len(panels)), 3.0))
+    axes = np.atleast_1d(axes)
     q = np.linspace(0, 1, CDF_POINTS)
-    for ax, (title, values) in zip(axes[0], series):
-        ax.plot(np.quantile(values, q), q)
-        ax.set_xlabel(f"{title} (ms)")
+    for ax, (title, series) in zip(axes, panels):
+        divisor, unit = _time_unit(max(float(np.quantile(v, 0.99)) for _, v in series))
+        for name, v in series:
+            ax.plot(np.quantile(v, q) / divisor, q, color=colours[name], label=name)
+        ax.set_xlabel(f"{title} ({unit})")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("fraction of requests")
+    axes[0].set_ylabel("fraction of requests")
+    if len(points) > 1:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     return svg(fig)
 
@@ -133,63 +190,132 @@ def _working_set(trace: pa.Table) -> pa.Table:
     return pa.table({"request_id": trace.column("request_id"), "arrival_s": trace.column("arrival_s"), "seen": seen})
 
 
-def timeline_section(summary: dict, point: dict, requests: pa.Table | None, trace: pa.Table | None) -> Section:
-    """Request rate, latency and KV occupancy against time. Live runs: send times, measured TTFT and the
-    engine's own KV usage gauge polled during the run. Offline runs: trace arrival times, the hit rate, and the
-    working set (distinct blocks seen so far) against the capacity: a policy that inserts every miss and
-    evicts only when full holds the smaller of the two."""
+def _binned_median(t: np.ndarray, v: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The median of `v` in each time bin (NaN where a bin has none): one readable line per point where a
+    cloud of dots per point would hide the others."""
+    index = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, len(edges) - 2)
+    out = np.full(len(edges) - 1, np.nan)
+    for b in np.unique(index):
+        out[b] = np.median(v[index == b])
+    return out
+
+
+def _serving_timeline(summary: dict, requests: pa.Table) -> Section:
+    """Live and modeled runs: send rate, TTFT and the engine's KV usage and queue against send time, every
+    point overlaid in its colour. Panels without data are left out."""
     import matplotlib.pyplot as plt
 
-    if requests is None or requests.num_rows == 0:
-        return Section("Timeline")
-    live = requests.column("actual_send_s").null_count < requests.num_rows
-    rows = requests.filter(pc.equal(requests.column("point"), point["name"]))
-    if live:
+    points = summary.get("points", [])
+    colours = point_colours(points)
+    series = []
+    for p in points:
+        rows = requests.filter(pc.equal(requests.column("point"), p["name"]))
         rows = rows.filter(pc.is_valid(rows.column("actual_send_s")))
-        t = rows.column("actual_send_s").to_numpy(zero_copy_only=False)
-    elif trace is not None and "arrival_s" in trace.column_names:
-        rows = rows.select(["request_id", "input_tokens", "hit_tokens"]).join(_working_set(trace), "request_id")
-        t = rows.column("arrival_s").to_numpy(zero_copy_only=False)
-    else:
+        t = np.asarray(rows.column("actual_send_s").to_numpy(zero_copy_only=False), dtype=np.float64)
+        if t.size and np.isfinite(t).any():
+            ttft = np.asarray(rows.column("ttft_s").to_numpy(zero_copy_only=False), dtype=np.float64)
+            gauge = p.get("server_timeline") or p.get("kv_timeline") or {}
+            series.append((p["name"], t, ttft, gauge, float(np.nanmin(t))))
+    if not series:
         return Section("Timeline")
+    span = max(float(np.nanmax(t)) - t0 for _, t, _, _, t0 in series)
+    span = max([span] + [float(g["t_s"][-1]) - t0 for _, _, _, g, t0 in series if g.get("t_s")] + [1e-9])
+    divisor, unit = time_axis(span)
+    n = max(t.size for _, t, _, _, _ in series)
+    edges = np.linspace(0, span, min(100, max(10, int(np.sqrt(n)))) + 1)
+
+    def gauge_panel(key: str, floor: float) -> list:
+        out = []
+        for name, _, _, g, t0 in series:
+            v = np.asarray([np.nan if x is None else x for x in g.get(key) or []], dtype=np.float64)
+            if v.size and np.isfinite(v).any() and np.nanmax(v) > floor:
+                out.append((name, (np.asarray(g["t_s"], dtype=np.float64) - t0) / divisor, v))
+        return out
+
+    # a queue that was always empty is left out (a flat line at 0 says less than its absence and a word)
+    usage, waiting = gauge_panel("kv_usage", -1.0), gauge_panel("waiting", 0.0)
+    answered = [(name, t - t0, ttft) for name, t, ttft, _, t0 in series if np.isfinite(ttft).any()]
+    n_panels = 1 + bool(answered) + bool(usage) + bool(waiting)
+    fig, axes = plt.subplots(n_panels, 1, figsize=(FULL_WIDTH, 2.0 * n_panels + 0.6), sharex=True, squeeze=False)
+    axes = list(axes[:, 0])
+    rates = {name: np.histogram(t - t0, edges)[0] / np.diff(edges) for name, t, _, _, t0 in series}
+    ax = axes.pop(0)
+    if len(rates) > 1 and all(np.array_equal(r, next(iter(rates.values()))) for r in rates.values()):
+        # modeled points replay the same arrivals: one line, not one hidden under the next
+        rates = {"every point": next(iter(rates.values()))}
+    for name, r in rates.items():
+        ax.step(edges[:-1] / divisor, r, where="post", color=colours.get(name, "grey"), label=name)
+    ax.set_ylabel("requests / s")
+    if answered:
+        ax = axes.pop(0)
+        finite = np.concatenate([v[np.isfinite(v)] for _, _, v in answered])
+        ydiv, yunit = _time_unit(float(np.quantile(finite, 0.99)))
+        for name, t, ttft in answered:
+            ok = np.isfinite(ttft)
+            if len(answered) == 1:
+                ax.plot(t[ok] / divisor, ttft[ok] / ydiv, ".", markersize=2, color=colours[name], alpha=0.4)
+            median = _binned_median(t[ok], ttft[ok], edges)
+            ax.plot(edges[:-1] / divisor, median / ydiv, color=colours[name], label=f"{name} (median per bin)")
+        if finite.min() > 0 and finite.max() / finite.min() > 1000:
+            ax.set_yscale("log")  # seconds of queueing beside milliseconds of prefill: both readable
+        ax.set_ylabel(f"TTFT ({yunit})")
+    for panel, label, scale in ((usage, "engine KV usage (%)", 100.0), (waiting, "requests waiting", 1.0)):
+        if panel:
+            ax = axes.pop(0)
+            for name, gt, v in panel:
+                ax.plot(gt, v * scale, color=colours[name], label=name)
+            ax.set_ylabel(label)
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+        if len(series) > 1 or len(ax.get_lines()) > 2:
+            ax.legend(fontsize=7, loc="upper left")
+    fig.axes[-1].set_xlabel(f"send time since the point's first request ({unit})")
+    fig.tight_layout()
+    missing = "" if usage else "; the server exposes no KV usage gauge"
+    caption = f"Request rate, TTFT, KV usage and queue by send time ({', '.join(colours)}){missing}"
+    return Section("Timeline", [Figure(svg(fig), caption)])
+
+
+def timeline_section(summary: dict, requests: pa.Table | None, trace: pa.Table | None) -> Section:
+    """Request rate, latency and KV occupancy against time. Live and modeled runs: send times, TTFT and the
+    engine's KV usage (polled during a live run, modeled by engine-sim), for every point. Offline runs: trace
+    arrival times, the first point's hit rate, and the working set (distinct blocks seen so far) against its
+    capacity: a policy that inserts every miss and evicts only when full holds the smaller of the two."""
+    import matplotlib.pyplot as plt
+
+    if requests is None or requests.num_rows == 0 or not summary.get("points"):
+        return Section("Timeline")
+    if requests.column("actual_send_s").null_count < requests.num_rows:
+        return _serving_timeline(summary, requests)
+    point = summary["points"][0]
+    if trace is None or "arrival_s" not in trace.column_names:
+        return Section("Timeline")
+    rows = requests.filter(pc.equal(requests.column("point"), point["name"]))
+    rows = rows.select(["request_id", "input_tokens", "hit_tokens"]).join(_working_set(trace), "request_id")
+    t = rows.column("arrival_s").to_numpy(zero_copy_only=False)
     if t.size == 0 or not np.isfinite(t).any():
         return Section("Timeline")
     order = np.argsort(t, kind="stable")
     t = t[order] - np.nanmin(t)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True)
     span = max(float(np.nanmax(t)), 1e-9)
-    bins = np.linspace(0, span, min(100, max(10, int(np.sqrt(t.size)))) + 1)
-    counts, edges = np.histogram(t, bins)
-    axes[0].step(edges[:-1], counts / np.diff(edges), where="post")
+    divisor, unit = time_axis(span)
+    fig, axes = plt.subplots(3, 1, figsize=(FULL_WIDTH, 6.5), sharex=True)
+    edges = np.linspace(0, span, min(100, max(10, int(np.sqrt(t.size)))) + 1)
+    counts, _ = np.histogram(t, edges)
+    axes[0].step(edges[:-1] / divisor, counts / np.diff(edges), where="post")
     axes[0].set_ylabel("requests / s")
-    if live:
-        ttft = rows.column("ttft_s").to_numpy(zero_copy_only=False).astype(np.float64)[order] * 1000
-        axes[1].plot(t, ttft, ".", markersize=2)
-        axes[1].set_ylabel("TTFT (ms)")
-        timeline = point.get("server_timeline") or point.get("kv_timeline") or {}
-        usage = [np.nan if u is None else u for u in timeline.get("kv_usage") or []]
-        if usage:
-            start = float(np.nanmin(rows.column("actual_send_s").to_numpy(zero_copy_only=False)))
-            axes[2].plot(np.asarray(timeline["t_s"]) - start, 100 * np.asarray(usage, dtype=float))
-            axes[2].set_ylabel("engine KV usage (%)")
-        else:
-            axes[2].text(0.5, 0.5, "the server exposes no KV usage gauge", ha="center", transform=axes[2].transAxes)
-    else:
-        hit = rows.column("hit_tokens").to_numpy(zero_copy_only=False).astype(np.float64)[order]
-        inp = rows.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.float64)[order]
-        axes[1].plot(t, np.divide(hit, inp, out=np.zeros_like(hit), where=inp > 0), ".", markersize=2)
-        axes[1].set_ylabel("token hit rate")
-        axes[2].plot(t, rows.column("seen").to_numpy()[order], label="distinct blocks seen")
-        if "capacity_blocks" in point:
-            axes[2].axhline(point["capacity_blocks"], color="grey", linestyle=":", label="capacity")
-        axes[2].legend(fontsize=7)
-        axes[2].set_ylabel("blocks")
-    axes[2].set_xlabel("time since the first request (s)")
+    hit = rows.column("hit_tokens").to_numpy(zero_copy_only=False).astype(np.float64)[order]
+    inp = rows.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.float64)[order]
+    axes[1].plot(t / divisor, np.divide(hit, inp, out=np.zeros_like(hit), where=inp > 0), ".", markersize=2)
+    axes[1].set_ylabel("token hit rate")
+    axes[2].plot(t / divisor, rows.column("seen").to_numpy()[order], label="distinct blocks seen")
+    if "capacity_blocks" in point:
+        axes[2].axhline(point["capacity_blocks"], color="grey", linestyle=":", label="capacity")
+    axes[2].legend(fontsize=7)
+    axes[2].set_ylabel("blocks")
+    axes[2].set_xlabel(f"time since the first request ({unit})")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    what = "send time" if live else "trace arrival time"
-    return Section(
-        "Timeline",
-        [Figure(svg(fig), f"Request rate, latency or hit rate, and KV occupancy by {what} ({point['name']})")],
-    )
+    caption = f"Request rate, hit rate and KV occupancy by trace arrival time ({point['name']})"
+    return Section("Timeline", [Figure(svg(fig), caption)])
