@@ -56,13 +56,17 @@ def saturation(columns: Mapping[str, object], input_tokens=None) -> dict | None:
     valid = np.isfinite(scheduled)
     t0, t1 = float(scheduled[valid].min()), float(scheduled[valid].max())
     span = t1 - t0
-    done = int(ok.sum())
-    finish = sent[ok] + e2el[ok]
-    served_window = float(finish.max()) - t0 if done else 0.0
     offered_rps = int(valid.sum()) / span if span > 0 else None
     tokens = None if input_tokens is None else np.asarray(input_tokens, dtype=np.float64)
     offered_tps = float(tokens[valid].sum()) / span if span > 0 and tokens is not None else None
-    served_rps = done / served_window if served_window > 0 else None
+    # Served: completions over the schedule's window shifted by an unqueued request's E2EL (the median of the
+    # first quarter's): a deployment that keeps up completes what arrives, one service time later; counting
+    # to the last completion instead would charge a long-tailed trace its slowest request as lost throughput.
+    finish = sent + e2el
+    first = np.argsort(np.where(valid, scheduled, np.inf), kind="stable")[: max(1, n // 4)]
+    shift = float(np.median(e2el[first][ok[first]])) if ok[first].any() else 0.0
+    in_window = ok & (finish >= t0 + shift) & (finish <= t1 + shift)
+    served_rps = int(in_window.sum()) / span if span > 0 else None
     out = {
         "saturated": False,
         "from_s": None,
@@ -148,10 +152,16 @@ def _rate(rps: float | None) -> str:
 
 
 def _s(seconds: float | None) -> str:
-    # seconds kept in seconds (not min/h): 'from t = 812 s' reads against the trace's own arrival_s
+    # scaled to the value (ms, s, min, h) and written the way the reports write durations; "from t = 812 s"
+    # stays in seconds up to two minutes' worth of thousands, to read against the trace's own arrival_s
     if seconds is None or not math.isfinite(seconds):
         return "–"
-    return f"{seconds:,.0f} s" if abs(seconds) >= 10 else f"{seconds:.3g} s"
+    a = abs(seconds)
+    if a < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if a < 10_000:
+        return f"{seconds:,.0f} s" if a >= 10 else f"{seconds:.3g} s"
+    return f"{seconds / 60:,.0f} min" if a < 3 * 3600 else f"{seconds / 3600:,.1f} h"
 
 
 def _floats(values) -> np.ndarray | None:
