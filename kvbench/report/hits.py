@@ -1,5 +1,5 @@
-"""Hit-rate sections of a run report: per point and tier, by tenant / workload / modality, the
-hit-rate-vs-capacity curves with the optimal bound, and tenant fairness (Jain, max/min, evictor × victim)."""
+"""Hit-rate sections of a run report: per point and tier, and the hit-rate-vs-capacity curves with the optimal
+bound. The per-group sections (tenant, workload, modality, fairness) are in tenants.py, re-exported here."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbench.report.page import Figure, Section, Table, num, pct, svg
+from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.style import FULL_WIDTH, INFINITE_STYLE, line_style, log_ticks, plain, size
+from kvbench.report.tenants import MAX_GROUPS, breakdown_sections, fairness_section
+
+__all__ = ["MAX_GROUPS", "breakdown_sections", "curve_section", "fairness_section", "points_section", "tier_section"]
 
 TIERS = ("hbm", "dram", "ssd", "global")
-MAX_GROUPS = 30  # bars and table rows per breakdown: beyond that a plot is unreadable
 
 
 def points_section(summary: dict) -> Section:
@@ -25,26 +28,24 @@ def points_section(summary: dict) -> Section:
             pct(hr["block"]["steady"]),
         ]
 
+    # Jain's index over tenants says nothing with fewer than two of them (it is 1 by definition): the column is
+    # left out of a run without tenants, and reads n/a at a point with one
+    tenants = any((p.get("fairness") or {}).get("tenants", 0) >= 2 for p in summary["points"])
+
+    def jain(p: dict) -> list[str]:
+        if not tenants:
+            return []
+        f = p.get("fairness") or {}
+        if f.get("tenants", 0) < 2:
+            return [f"n/a ({f.get('tenants', 0)} tenant)"]
+        return [plain(f["jain"]["hit_rate"], 3)]
+
     rows = [
-        [
-            p["name"],
-            *rates(p),
-            num(p.get("evictions")),
-            num(p["fairness"]["jain"]["hit_rate"]),
-            "yes" if p.get("underfilled") else "",
-        ]
+        [p["name"], *rates(p), plain(p.get("evictions")), *jain(p), "yes" if p.get("underfilled") else ""]
         for p in summary["points"]
     ]
-    header = [
-        "point",
-        "token all",
-        "token steady",
-        "block all",
-        "block steady",
-        "evictions",
-        "Jain (tenants)",
-        "underfilled",
-    ]
+    header = ["point", "token all", "token steady", "block all", "block steady", "evictions"]
+    header += ["Jain (tenants)"] * tenants + ["underfilled"]
     inf = summary["infinite_cache"]["token"]
     note = (
         f"Infinite-cache bound (every block ever seen stays cached): {pct(inf['all'])} of all tokens, "
@@ -72,46 +73,27 @@ def tier_section(requests: pa.Table | None) -> Section:
     return Section("Hit rate by tier", [Table(["point", "HBM", "DRAM", "SSD", "global pool", "all tiers"], rows)])
 
 
-def breakdown_sections(summary: dict) -> list[Section]:
-    import matplotlib.pyplot as plt
+def _block_bytes(summary: dict) -> float | None:
+    """Bytes one cache block holds when the run named a model geometry (--model), else None: capacities are
+    then read in blocks only, as nothing says how large a token's KV is."""
+    config = summary.get("config") or {}
+    if not config.get("model"):
+        return None
+    try:
+        from kvbench.hardware import resolve_model
 
-    points = summary["points"]
-    out = []
-    for key, title in (("by_tenant", "tenant"), ("by_workload", "workload"), ("by_modality", "modality")):
-        if not points or not points[0].get(key):
-            out.append(Section(f"Hit rate by {title}"))
-            continue
-        shown = points[:8]
-        names = [g["name"] for g in points[0][key]][:MAX_GROUPS]
-        rows = []
-        for name in names:
-            row = [name]
-            for p in shown:
-                g = next((g for g in p.get(key) or [] if g["name"] == name), None)
-                row.append(pct(g["hit_rate"]) if g else "–")
-            rows.append(row)
-        items = [Table([title] + [p["name"] for p in shown], rows)]
-        if len(names) > 1:
-            fig, ax = plt.subplots(figsize=(7, 0.28 * len(names) * min(len(shown), 3) + 1.2))
-            y = np.arange(len(names))
-            height = 0.8 / min(len(shown), 3)
-            for k, p in enumerate(shown[:3]):
-                rates = {g["name"]: g["hit_rate"] for g in p.get(key) or []}
-                ax.barh(y + k * height, [rates.get(n, 0) or 0 for n in names], height, label=p["name"])
-            ax.set_yticks(y + height * (min(len(shown), 3) - 1) / 2, names, fontsize=8)
-            ax.invert_yaxis()
-            ax.set_xlabel("token hit rate (all requests)")
-            ax.legend(fontsize=7)
-            ax.grid(axis="x", alpha=0.3)
-            items.insert(0, Figure(svg(fig), f"Token hit rate by {title}, first {min(len(shown), 3)} point(s)"))
-        out.append(Section(f"Hit rate by {title}", items))
-    return out
+        model = resolve_model(config["model"], config.get("specs") or None)
+        return model.kv_bytes_per_token(config.get("kv_dtype") or "bf16") * summary["trace"]["block_size"]
+    except Exception:  # a specs file gone since the run, an unknown dtype: the report still shows blocks
+        return None
 
 
 def curve_section(summary: dict) -> Section:
-    """Hit rate vs capacity: the one-pass curves, the swept points per policy, Belady (optimal with bypass)
-    as the bound a real policy can approach, and the infinite cache as the bound nothing passes."""
+    """Hit rate vs capacity: the one-pass curves, the swept points per policy (in the curve's colour), Belady
+    (optimal with bypass) as the bound a real policy can approach, and the infinite cache as the bound nothing
+    passes."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator, PercentFormatter
 
     by_policy: dict[str, list] = {}
     for p in summary["points"]:
@@ -120,57 +102,43 @@ def curve_section(summary: dict) -> Section:
     curves = summary.get("curves") or []
     if not curves and not any(len(v) > 1 for v in by_policy.values()):
         return Section("Hit rate vs capacity")
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    # constrained: the saved SVG is cropped to what is drawn, so default margins would shrink the plot
+    fig, ax = plt.subplots(figsize=(FULL_WIDTH, 4.8), layout="constrained")
+    with_curve = {c["policy"] for c in curves}
     for c in curves:
-        ax.plot(c["capacity_blocks"], c["token_steady"], label=f"{c['policy']} (one-pass curve)")
+        ax.plot(c["capacity_blocks"], c["token_steady"], label=f"{c['policy']} (one-pass curve)",
+                linewidth=1.5, **line_style(c["policy"]))  # fmt: skip
     for name, pts in sorted(by_policy.items()):
         pts.sort()
-        style = dict(color="black", linestyle="--") if name == "belady" else {}
-        ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", markersize=3, label=name, **style)
-    ax.axhline(summary["infinite_cache"]["token"]["steady"], color="grey", linestyle=":", label="infinite cache")
+        # a policy with a curve: its swept points sit on the curve as dots of the same colour, no second line
+        line = {"linestyle": "none"} if name in with_curve else {}
+        label = f"{name} (replayed points)" if name in with_curve else name
+        style = {**line_style(name), **line}
+        ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", markersize=4, label=label, **style)
+    ax.axhline(summary["infinite_cache"]["token"]["steady"], label="infinite cache", **INFINITE_STYLE)
     ax.set_xscale("log")
+    log_ticks(ax)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel("capacity (blocks)")
     ax.set_ylabel("token hit rate (steady state)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
+    ax.grid(alpha=0.1, which="minor")
+    per_block = _block_bytes(summary)
+    if per_block:
+        # the same decades in bytes along the top, so a capacity can be read as memory to buy
+        top = ax.secondary_xaxis("top", functions=(lambda b: b * per_block, lambda x: x / per_block))
+        lo, hi = ax.get_xlim()
+        decades = [10.0**k for k in range(int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi))) + 1)]
+        decades = [d for d in decades if lo <= d <= hi]
+        top.xaxis.set_major_locator(FixedLocator([d * per_block for d in decades]))
+        top.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: size(v)))
+        top.xaxis.set_minor_locator(NullLocator())
+        top.set_xlabel(f"capacity ({summary['config']['model']}, {size(per_block)} per block)")
     items = [Figure(svg(fig), "Steady-state token hit rate against cache capacity; belady is the optimal bound")]
     for c in curves:
         pairs = list(zip(c["capacity_blocks"], c["token_steady"]))[:: max(1, len(c["capacity_blocks"]) // 10)]
-        items.append(
-            Table(["capacity (blocks)", f"{c['policy']} steady hit rate"], [[num(a), pct(b)] for a, b in pairs])
-        )
+        header = ["capacity (blocks)"] + (["capacity (bytes)"] if per_block else []) + [f"{c['policy']} steady"]
+        rows = [[plain(a)] + ([size(a * per_block)] if per_block else []) + [pct(b)] for a, b in pairs]
+        items.append(Table(header, rows))
     return Section("Hit rate vs capacity", items)
-
-
-def fairness_section(summary: dict) -> Section:
-    import matplotlib
-    import matplotlib.pyplot as plt
-
-    point = summary["points"][0] if summary["points"] else None
-    if point is None or not point.get("by_tenant") or len(point["by_tenant"]) < 2:
-        return Section("Tenant fairness")
-    f = point["fairness"]
-    rows = [
-        [
-            p["name"],
-            num(p["fairness"]["jain"]["hit_rate"]),
-            num((p["fairness"].get("max_min_ratio") or {}).get("hit_rate")),
-            num(p["fairness"].get("tenants")),
-        ]
-        for p in summary["points"]
-    ]
-    items: list = [Table(["point", "Jain's index (hit rate)", "max/min ratio", "tenants"], rows)]
-    ev = f.get("evictor_victim")
-    if ev and len(ev["tenants"]) > 1 and np.asarray(ev["matrix"]).sum() > 0:
-        m = np.asarray(ev["matrix"], dtype=float)[:MAX_GROUPS, :MAX_GROUPS]
-        fig, ax = plt.subplots(figsize=(6, 5))
-        # log scale: one heavy tenant would otherwise paint every other cell the same colour
-        im = ax.imshow(m + 1, cmap="viridis", norm=matplotlib.colors.LogNorm(vmin=1, vmax=max(m.max() + 1, 2)))
-        names = ev["tenants"][:MAX_GROUPS]
-        ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
-        ax.set_yticks(range(len(names)), names, fontsize=6)
-        ax.set_xlabel("victim tenant")
-        ax.set_ylabel("evicting tenant")
-        fig.colorbar(im, label="blocks evicted + 1 (log scale)")
-        items.append(Figure(svg(fig), f"Evictor × victim: whose insertions evicted whose blocks ({point['name']})"))
-    return Section("Tenant fairness", items)
