@@ -79,35 +79,55 @@ def _curves(demo) -> str | None:
     return svg(fig)
 
 
+def _serving_row(run, p: dict) -> list[str]:
+    """One point's row: the deployment, whether it kept up, and its latencies only when it did (a saturated
+    point's percentiles measure how long the trace ran, not the deployment)."""
+    from kvbench.run.saturation import describe
+
+    lat, engine, verdict = p["latency"], p["engine"], p.get("saturation") or {}
+    tpot = lat.get("tpot") or {}
+    if verdict.get("saturated"):
+        latency = ["queue grows: not meaningful"] + ["–"] * 2
+    else:
+        latency = [
+            f"{lat['ttft']['p50_ms']:,.1f} / {lat['ttft']['p99_ms']:,.1f}",
+            f"{tpot['p50_ms']:,.2f}" if tpot else "–",
+            f"{lat['e2el']['p50_ms'] / 1000:,.2f}",
+        ]
+    return [
+        run.workload,
+        f"{run.backend} {p['name']}",
+        num(engine.get("instances")),
+        describe(verdict) or "–",
+        pct(p["hit_rate"]["token"]["all"]),
+        *latency,
+        num(engine["preemptions"]),
+    ]
+
+
 def _modeled(demo) -> Section:
-    """Offline backends that model time (engine-sim): what users would feel, per workload."""
+    """Offline backends that model time (engine-sim): what users would feel, per workload, with whether the
+    deployment served the load."""
     rows = []
     for run in demo.runs:
         for p in run.summary["points"]:
             lat, engine = p.get("latency"), p.get("engine")
             if not lat or not engine or not lat.get("ttft"):
                 continue
-            tpot = lat.get("tpot") or {}
-            rows.append(
-                [
-                    run.workload,
-                    f"{run.backend} {p['name']}",
-                    pct(p["hit_rate"]["token"]["all"]),
-                    f"{lat['ttft']['p50_ms']:,.1f} / {lat['ttft']['p99_ms']:,.1f}",
-                    f"{tpot['p50_ms']:,.2f}" if tpot else "–",
-                    f"{lat['e2el']['p50_ms'] / 1000:,.2f}",
-                    num(engine["preemptions"]),
-                ]
-            )
+            rows.append(_serving_row(run, p))
     if not rows:
         return Section("Modeled serving")
     note = (
-        "The engine simulator's modeled latencies on its default deployment (see each report's config): "
-        "a prefix cache that hits also saves prefill time."
+        "The engine simulator's modeled latencies on the demo's deployment: as many instances as the trace's "
+        "busiest stretch needs by the roofline model (see each report's config). A prefix cache that hits also "
+        "saves prefill time. A saturated point (its queue grows to the end of the run, docs/semantics.md, "
+        "Saturation) shows no latencies: they would measure the queue, not the deployment."
     )
     header = [
         "workload",
         "run / point",
+        "instances",
+        "load",
         "hit rate",
         "TTFT p50 / p99 (ms)",
         "TPOT p50 (ms)",

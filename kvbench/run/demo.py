@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvbench.run.backend import DemoGrid
 from kvbench.run.plugins import backend_names, load_backend
@@ -68,11 +67,42 @@ def run_offline(demo: Demo, step: Callable[[str], None]) -> None:
             demo.runs.append(DemoRun(workload, backend, run_dir, summary))
 
 
-def live_subset(table: pa.Table, max_len: int, n: int) -> pa.Table:
-    """The first `n` requests whose prompt and capped output fit the engine's context, with references to
-    requests left out dropped (a tiny CPU model has a short context; the trace's long prompts would fail)."""
-    fits = pc.less_equal(pc.add(table.column("input_tokens"), LIVE_OUTPUT_TOKENS), max_len)
-    sub = table.filter(fits).slice(0, n)
+def fit_context(table: pa.Table, max_len: int, block_size: int) -> tuple[pa.Table, int]:
+    """Every request cut to fit the engine's context with its capped output: a longer prompt keeps its first
+    whole blocks (as many as fit) and loses the rest. Prefixes are what requests share, so the trim keeps the
+    reuse structure (who shares how many leading blocks with whom) up to the cut; media spans that end past it
+    are dropped. Returns the table and how many requests were cut (a tiny CPU model has a short context, and
+    the agent trace's prompts all exceed it)."""
+    cap_blocks = (max_len - LIVE_OUTPUT_TOKENS) // block_size
+    if cap_blocks < 1:
+        raise ValueError(f"a {max_len}-token context leaves no whole {block_size}-token block for a prompt")
+    cap = cap_blocks * block_size
+    tokens = table.column("input_tokens").to_numpy()
+    long = tokens > cap
+    if not long.any():
+        return table, 0
+    hashes = [h if not cut else h[:cap_blocks] for h, cut in zip(table.column("block_hashes").to_pylist(), long)]
+    columns = {
+        "input_tokens": pa.array([min(int(t), cap) for t in tokens.tolist()], table.schema.field("input_tokens").type),
+        "block_hashes": pa.array(hashes, table.schema.field("block_hashes").type),
+    }
+    if "mm_items" in table.column_names:
+        items = table.column("mm_items").to_pylist()
+        kept = [
+            [m for m in ms if m["offset"] + m["tokens"] <= cap] if ms is not None and cut else ms
+            for ms, cut in zip(items, long)
+        ]
+        columns["mm_items"] = pa.array(kept, table.schema.field("mm_items").type)
+    for name, values in columns.items():
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, table.schema.field(name), values)
+    return table, int(long.sum())
+
+
+def live_subset(table: pa.Table, max_len: int, n: int, block_size: int) -> tuple[pa.Table, int]:
+    """The first `n` requests, each cut to fit the engine's context (`fit_context`), with references to
+    requests left out dropped. Returns the subset and how many of its prompts were cut."""
+    sub, trimmed = fit_context(table.slice(0, n), max_len, block_size)
     kept = set(sub.column("request_id").to_pylist())
     parent = [p if p in kept else None for p in sub.column("parent_id").to_pylist()]
     deps = [[d for d in (ds or []) if d in kept] for ds in sub.column("depends_on").to_pylist()]
@@ -81,11 +111,12 @@ def live_subset(table: pa.Table, max_len: int, n: int) -> pa.Table:
         sub.schema.field("parent_id"),
         pa.array(parent, sub.schema.field("parent_id").type),
     )
-    return sub.set_column(
+    sub = sub.set_column(
         sub.schema.get_field_index("depends_on"),
         sub.schema.field("depends_on"),
         pa.array(deps, sub.schema.field("depends_on").type),
     )
+    return sub, trimmed
 
 
 def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str], None]) -> None:
@@ -101,12 +132,13 @@ def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str]
     live_dir = demo.out / "live-traces"
     for workload, path in demo.traces.items():
         table, meta = read_trace(path)
-        sub = live_subset(table, max_len, LIVE_REQUESTS)
-        if sub.num_rows == 0:
-            demo.skipped.append((f"{workload} live", f"no request fits the engine's {max_len}-token context"))
-            continue
+        sub, trimmed = live_subset(table, max_len, LIVE_REQUESTS, meta.block_size)
+        check(sub, meta.block_size, f"{workload} live subset")
+        if trimmed:
+            step(f"{workload}: {trimmed} of {sub.num_rows} prompts cut to the engine's {max_len}-token context")
         original = live_dir / f"{workload}.parquet"
-        write_trace(sub, original, new_meta(meta.block_size, {**meta.source, "demo_live_subset": sub.num_rows}))
+        source = {**meta.source, "demo_live_subset": sub.num_rows, "demo_live_trimmed_to": max_len if trimmed else None}
+        write_trace(sub, original, new_meta(meta.block_size, source))
         recut = live_dir / f"{workload}-b{info.block_size}.parquet"
         hashes = rebase_blocks(sub, meta.block_size, info.block_size)
         source = {**meta.source, "rebased_from": trace_fingerprint(sub), "rebased_block_size": info.block_size}
