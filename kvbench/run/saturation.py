@@ -21,6 +21,7 @@ MIN_REQUESTS = 8  # fewer timed requests than this give no trend worth a verdict
 MAX_BINS = 20  # bins of the run, in schedule order, whose median delays are compared
 MIN_PER_BIN = 5  # ... each holding at least this many requests (when the run has them), so a median is stable
 FLOOR_S = 0.05  # growth below this is noise in any deployment (a scheduler tick, a network round trip)
+SPAN_SHARE = 0.1  # growth past this share of the run's length counts even below a service time
 SETTLED = 0.25  # a bin is back "at the early level" when its median is within this share of the threshold
 
 
@@ -100,10 +101,13 @@ def _verdict(out: dict, t: np.ndarray, delay: np.ndarray, e2el: np.ndarray) -> d
     growth = late - early
     # What counts as growth: more than a typical request's own service time (a request waiting longer than it
     # takes to serve is queued behind others, not merely slow), and never less than FLOOR_S. The service time
-    # is taken in the first quarter, before any queue: later E2ELs include the queue being measured.
+    # is taken in the first quarter, before any queue: later E2ELs include the queue being measured. In a run
+    # shorter than a few service times (a burst squeezed into seconds, long decodes) no queue could grow by
+    # one, so SPAN_SHARE of the run's length caps it: a queue growing by a tenth of the run is no noise.
     early_e2el = e2el[: edges[quarter]]
     early_e2el = early_e2el[np.isfinite(early_e2el)]
-    threshold = max(float(np.median(early_e2el)) if early_e2el.size else 0.0, FLOOR_S)
+    service = float(np.median(early_e2el)) if early_e2el.size else 0.0
+    threshold = max(min(service, SPAN_SHARE * float(t[-1] - t[0])), FLOOR_S)
     above = medians > early + threshold
     out.update(
         queue_growth_s=growth,
@@ -119,7 +123,7 @@ def _verdict(out: dict, t: np.ndarray, delay: np.ndarray, e2el: np.ndarray) -> d
         out.update(saturated=True, from_s=starts[min(first, n_bins - 1)])
         out["why"] = (
             f"queueing delay grew from {_s(early)} early in the run to {_s(late)} in its last quarter and "
-            f"did not recover (threshold {_s(threshold)}, an early request's median E2EL)"
+            f"did not recover (growth counts past {_s(threshold)})"
         )
     elif growth > threshold:
         out["why"] = (

@@ -1,0 +1,113 @@
+"""Saturation (kvbench/run/saturation.py, docs/semantics.md): real replays — engine-sim on a sample trace at
+its own pace and squeezed into a fraction of its time, a live replay against a server slower than its
+schedule — say saturated or not, from when, and the engine-sim demo deployment serves every workload."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvbench.run.runner import run_replay
+from kvbench.run.saturation import describe, saturation
+from kvbench.trace.files import read_trace, write_trace
+
+from ..conftest import CHAT
+from .live.conftest import fake_server  # noqa: F401  (the fixture, for the live test)
+
+REQUESTS = 400  # of the chat sample: enough bins for a trend, a second or two of engine-sim
+
+
+def _chat(tmp_path, squeeze: float):
+    """The chat sample's first REQUESTS requests, arrivals divided by `squeeze` (1: as recorded)."""
+    table, meta = read_trace(CHAT)
+    table = table.slice(0, REQUESTS)
+    i = table.schema.get_field_index("arrival_s")
+    arrival = pa.array(table.column("arrival_s").to_numpy() / squeeze, pa.float64())
+    path = tmp_path / f"chat-x{squeeze:g}.parquet"
+    write_trace(table.set_column(i, table.schema.field(i), arrival), path, meta)
+    return path, float(arrival.to_numpy().max())
+
+
+def _replay(path, out, **options):
+    run_dir, summary = run_replay(path, "engine-sim", {"policy": "vllm", **options}, out=out, report=False)
+    (point,) = summary["points"]
+    return point
+
+
+def test_one_instance_serves_the_chat_sample_at_its_own_pace(tmp_path):
+    path, _ = _chat(tmp_path, 1)
+    v = _replay(path, tmp_path / "paced")["saturation"]
+    assert v["saturated"] is False and v["from_s"] is None
+    # a deployment that keeps up completes what arrives: served within a few percent of offered
+    assert v["served_rps"] == pytest.approx(v["offered_rps"], rel=0.1)
+    assert describe(v).startswith("not saturated: offered")
+
+
+def test_the_same_requests_squeezed_into_a_fiftieth_of_the_time_saturate_it(tmp_path):
+    path, span = _chat(tmp_path, 50)
+    point = _replay(path, tmp_path / "squeezed")
+    v = point["saturation"]
+    assert v["saturated"] is True
+    assert 0 <= v["from_s"] < span  # the queue began growing during the run, not after it
+    assert v["served_rps"] < 0.8 * v["offered_rps"]
+    assert v["late_delay_s"] > v["early_delay_s"] + v["queue_growth_s"] / 2
+    assert v["offered_input_tps"] > 0 and "did not recover" in v["why"]
+    assert describe(v).startswith("saturated from t = ") and "served" in describe(v)
+    # the deployment the roofline sizes for this load (demo_options) has more instances, and keeps up
+    from kvbench.run.plugins import load_backend
+
+    options = load_backend("engine-sim").demo_options(*read_trace(path))
+    assert options["instances"] > 1
+    relieved = _replay(path, tmp_path / "more", **options)["saturation"]
+    assert relieved["saturated"] is False, relieved["why"]
+
+
+def test_an_offline_simulation_has_no_verdict(tmp_path):
+    path, _ = _chat(tmp_path, 1)
+    _, summary = run_replay(path, "sim", {"policy": "lru", "capacity": "1000"}, out=tmp_path / "sim", report=False)
+    assert all("saturation" not in p for p in summary["points"])
+
+
+def test_a_live_run_faster_than_the_server_is_saturated_and_a_slow_one_is_not(fake_server, tmp_path):  # noqa: F811
+    srv = fake_server(itl_ms=2.0)  # 16 tokens each: ~35 ms a request, one at a time below
+    fast = {"url": srv.url, "mode": "rate", "rate": 500.0, "max_requests": 60, "max_output_tokens": 16}
+    _, summary = run_replay(CHAT, "openai", {**fast, "max_concurrency": 1}, out=tmp_path / "fast", report=False)
+    v = summary["points"][0]["saturation"]
+    assert v["saturated"] is True and v["signal"] == "schedule lag + ttft_s"
+    assert v["served_rps"] < v["offered_rps"] / 3
+    span = 60 / 500.0 * 3  # the schedule's length, generously (gamma gaps)
+    assert 0 <= v["from_s"] <= span
+    slow = {**fast, "rate": 10.0, "max_requests": 16}
+    _, summary = run_replay(CHAT, "openai", slow, out=tmp_path / "slow", report=False)
+    assert summary["points"][0]["saturation"]["saturated"] is False
+
+
+def test_the_verdict_from_columns_alone():
+    """The rule on made-up columns: a queue growing linearly from the middle of the run."""
+    n = 200
+    t = np.linspace(0, 100, n)
+    queue = np.where(t < 50, 0.01, (t - 50) * 2.0)
+    cols = {"scheduled_send_s": t, "actual_send_s": t, "queue_s": queue, "e2el_s": queue + 1.0, "status": ["ok"] * n}
+    v = saturation(cols, np.full(n, 100))
+    assert v["saturated"] and 45 <= v["from_s"] <= 60 and v["offered_input_tps"] == pytest.approx(200.0, rel=0.01)
+    # a burst that the deployment works off before the end is no saturation
+    burst = np.where((t > 40) & (t < 70), 30.0, 0.01)
+    cols = {**cols, "queue_s": burst, "e2el_s": burst + 1.0}
+    assert saturation(cols)["saturated"] is False
+    assert saturation({"hit_blocks": np.zeros(3)}) is None
+
+
+@pytest.mark.parametrize("workload", ["chat", "agent", "reasoning", "multi-tenant", "multimodal", "mix"])
+def test_demo_options_give_a_deployment_that_serves_each_generated_workload(tmp_path, workload):
+    from kvbench.run.plugins import load_backend
+    from kvbench.trace import generators
+
+    table, meta = generators.registry()[workload].run(300, seed=1)
+    path = tmp_path / f"{workload}.parquet"
+    write_trace(table, path, meta)
+    options = load_backend("engine-sim").demo_options(table, meta)
+    assert options["instances"] >= 1
+    _, summary = run_replay(path, "engine-sim", options, out=tmp_path / "run", report=False)
+    v = summary["points"][0]["saturation"]
+    assert v["saturated"] is False, v["why"]
