@@ -70,15 +70,17 @@ def _label(key: str) -> str:
         return ENGINE_FACTS[key]
     parts = key.split(".")
     if parts[0] == "tier_bytes" and len(parts) == 3:
-        return f"KV {parts[1]} {'from' if parts[1] == 'loaded' else 'to'} {parts[2].upper()}"
+        tier = "the global store" if parts[2] == "global" else parts[2].upper()
+        return f"KV {parts[1]} {'from' if parts[1] == 'loaded' else 'to'} {tier}"
     if parts[0] == "kv_lifetime_s":
         if len(parts) == 3:
             return f"{LIFETIME_WORDS.get(parts[1], parts[1])}, {parts[2]}"
         return {"evicted": "blocks evicted from HBM", "still_cached": "blocks still in HBM at the end"}.get(
             parts[1], key
         )
-    if parts[0] == "global_store":
-        return "global store: " + " ".join(parts[1:]).replace("_", " ")
+    if parts[0] == "global_store":  # the unit of bytes and GB/s is in the value: not said twice
+        words = [w for w in "_".join(parts[1:]).split("_") if w not in ("bytes", "gbps")]
+        return "global store: " + " ".join(words)
     return key.replace("_", " ")
 
 

@@ -15,6 +15,8 @@ from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, duration, p
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("ttfo", "TTFO"))
 CDF_POINTS = 400  # quantiles drawn per CDF: enough for a smooth line, bounded for millions of requests
 MS_TABLE_LIMIT_MS = 10_000.0  # a table whose times all stay below this reads best in ms, two decimals
+# ticks of a log time axis at round durations (1 ms … 10 s, 2 min, 20 min, 2 h, 20 h), not at decades of seconds
+LOG_TIME_TICKS = (1e-3, 1e-2, 0.1, 1.0, 10.0, 120.0, 1200.0, 7200.0, 72000.0)
 MAX_TENANTS = 30  # tenants listed per point; the rest are in summary.json (latency.by_tenant)
 _INDEX_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
@@ -249,15 +251,22 @@ def _serving_timeline(summary: dict, requests: pa.Table) -> Section:
     if answered:
         ax = axes.pop(0)
         finite = np.concatenate([v[np.isfinite(v)] for _, _, v in answered])
-        ydiv, yunit = _time_unit(float(np.quantile(finite, 0.99)))
+        # seconds of queueing beside milliseconds of prefill: a log axis, each tick in its own unit
+        log = finite.min() > 0 and finite.max() / finite.min() > 1000
+        ydiv, yunit = (1.0, "log scale") if log else _time_unit(float(np.quantile(finite, 0.99)))
         for name, t, ttft in answered:
             ok = np.isfinite(ttft)
             if len(answered) == 1:
                 ax.plot(t[ok] / divisor, ttft[ok] / ydiv, ".", markersize=2, color=colours[name], alpha=0.4)
             median = _binned_median(t[ok], ttft[ok], edges)
             ax.plot(edges[:-1] / divisor, median / ydiv, color=colours[name], label=f"{name} (median per bin)")
-        if finite.min() > 0 and finite.max() / finite.min() > 1000:
-            ax.set_yscale("log")  # seconds of queueing beside milliseconds of prefill: both readable
+        if log:
+            from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(FixedLocator(LOG_TIME_TICKS))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: duration(v)))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel(f"TTFT ({yunit})")
     for panel, label, scale in ((usage, "engine KV usage (%)", 100.0), (waiting, "requests waiting", 1.0)):
         if panel:
