@@ -57,7 +57,8 @@ def _page_of(folder: Path, screenshot: bool) -> Path | None:
 )
 def report(runs, trace_path, screenshot):
     """Write report.md and the self-contained report.html of each run directory from its summary.json and
-    requests.parquet (after an interrupted run, or with a newer kvbench).
+    requests.parquet (after an interrupted run, or with a newer kvbench). With --screenshot, the folders of
+    kvbench compare --out, kvbench sweep and kvbench demo may be given too, to picture their pages.
 
     Example: kvbench report reports/chat-sim --screenshot
     """

@@ -131,21 +131,24 @@ def assert_is_a_picture(png):
     assert len(data) > 10_000, f"{png}: {len(data)} bytes: a blank page?"
 
 
-def _missing_points(run):
+def _missing_points(run, known: bool | None = None):
+    """Per-point sections of the run's report.md that leave points out: {section: points}; `known`: only the
+    sections of KNOWN_INCOMPLETE (True), only the others (False), or all (None)."""
     names = [p["name"] for p in json.loads((run / "summary.json").read_text())["points"]]
-    return points_missing_by_section((run / "report.md").read_text(), names)
+    missing = points_missing_by_section((run / "report.md").read_text(), names)
+    return {s: m for s, m in missing.items() if known is None or (s in KNOWN_INCOMPLETE) == known}
 
 
 @pytest.mark.parametrize("kind", RUN_KINDS)
 def test_every_per_point_section_names_every_point(runs, kind):
-    missing = {s: m for s, m in _missing_points(_run(runs, kind)).items() if s not in KNOWN_INCOMPLETE}
+    missing = _missing_points(_run(runs, kind), known=False)
     assert not missing, f"per-point sections that leave points out: {missing}"
 
 
 @pytest.mark.xfail(strict=False, reason="; ".join(f"{s}: {why}" for s, why in KNOWN_INCOMPLETE.items()))
 @pytest.mark.parametrize("kind", RUN_KINDS)
 def test_known_incomplete_sections_name_every_point(runs, kind):
-    missing = {s: m for s, m in _missing_points(_run(runs, kind)).items() if s in KNOWN_INCOMPLETE}
+    missing = _missing_points(_run(runs, kind), known=True)
     assert not missing, f"per-point sections that leave points out: {missing}"
 
 
@@ -161,19 +164,22 @@ def test_the_point_check_sees_a_point_left_out():
     assert points_missing_by_section(md, ["lru/1", "radix-lru/1"]) == {"Per point": ["lru/1"]}
 
 
-def test_report_command_takes_screenshots(runs, pages, shots):
-    """`kvbench report RUN COMPARE_DIR --screenshot`: the run is rendered again, both pages are pictured."""
+def test_report_command_takes_screenshots(runs, pages):
+    """`kvbench report RUN COMPARE_DIR SWEEP_DIR --screenshot`: the run is rendered again, every page pictured."""
     from kvbench.cli import main
 
-    run, compare_dir = runs["sim"], pages["compare"].parent
-    r = CliRunner().invoke(main, ["report", str(run), str(compare_dir), "--screenshot"])
+    run, compare_dir, sweep_dir = runs["engine-sim"], pages["compare"].parent, pages["sweep"].parent
+    r = CliRunner().invoke(main, ["report", str(run), str(compare_dir), str(sweep_dir), "--screenshot"])
     assert r.exit_code == 0, r.output
-    for png in (run / "screenshots" / "report.png", compare_dir / "screenshots" / "compare.png"):
+    pngs = [run / "screenshots/report.png", compare_dir / "screenshots/compare.png"]
+    pngs.append(sweep_dir / "screenshots/index.png")
+    for png in pngs:
         assert str(png) in r.output
         assert_is_a_picture(png)
-    first = (run / "screenshots" / "report.png").stat().st_mtime_ns
+    first = pngs[0].stat().st_mtime_ns
     r = CliRunner().invoke(main, ["report", str(run), "--screenshot"])  # a picture of the same page: replaced
-    assert r.exit_code == 0 and (run / "screenshots" / "report.png").stat().st_mtime_ns > first
+    assert r.exit_code == 0 and pngs[0].stat().st_mtime_ns > first
+    assert "replaced" in CliRunner().invoke(main, ["report", "--help"]).output
 
 
 def test_report_command_without_a_browser_still_writes_the_report(runs, monkeypatch):
@@ -232,3 +238,6 @@ def test_demo_index_and_every_demo_report_render(tmp_path, shots):
         assert_renders_cleanly(check)
         if check.screenshot is not None:
             assert_is_a_picture(shots(check.screenshot))
+    # the demo's grids have the most points (multi-tenant: every policy × capacity, and the bounds)
+    missing = {r.parent.name: _missing_points(r.parent, known=False) for r in reports}
+    assert not {run: m for run, m in missing.items() if m}, f"per-point sections that leave points out: {missing}"
