@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.report.page import Figure, Section, Table, pct, svg
-from kvbench.report.style import FULL_WIDTH, INFINITE_STYLE, line_style, log_ticks, plain, size
+from kvbench.report.style import FULL_WIDTH, INFINITE_STYLE, count, line_style, log_ticks, plain, size
 from kvbench.report.tenants import MAX_GROUPS, breakdown_sections, fairness_section
 
 __all__ = ["MAX_GROUPS", "breakdown_sections", "curve_section", "fairness_section", "points_section", "tier_section"]
@@ -118,7 +118,10 @@ def curve_section(summary: dict) -> Section:
     ax.axhline(summary["infinite_cache"]["token"]["steady"], label="infinite cache", **INFINITE_STYLE)
     ax.set_xscale("log")
     log_ticks(ax)
-    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    lo, hi = ax.get_xlim()
+    if hi / lo < 100:  # a sweep within two decades has one or two labelled decades: label 2× and 5× as well
+        ax.xaxis.set_minor_formatter(plt.FuncFormatter(lambda v, _: count(v)))
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set_xlabel("capacity (blocks)")
     ax.set_ylabel("token hit rate (steady state)")
     ax.legend(fontsize=8, loc="lower right")
@@ -126,16 +129,17 @@ def curve_section(summary: dict) -> Section:
     ax.grid(alpha=0.1, which="minor")
     per_block = _block_bytes(summary)
     if per_block:
-        # the same decades in bytes along the top, so a capacity can be read as memory to buy
+        # the bottom axis's labelled ticks in bytes along the top, so a capacity can be read as memory to buy
+        steps = (1, 2, 5) if hi / lo < 100 else (1,)
         top = ax.secondary_xaxis("top", functions=(lambda b: b * per_block, lambda x: x / per_block))
-        lo, hi = ax.get_xlim()
-        decades = [10.0**k for k in range(int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi))) + 1)]
-        decades = [d for d in decades if lo <= d <= hi]
-        top.xaxis.set_major_locator(FixedLocator([d * per_block for d in decades]))
+        exponents = range(int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi))) + 1)
+        ticks = [m * 10.0**k for k in exponents for m in steps if lo <= m * 10.0**k <= hi]
+        top.xaxis.set_major_locator(FixedLocator([t * per_block for t in ticks]))
         top.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: size(v)))
         top.xaxis.set_minor_locator(NullLocator())
         top.set_xlabel(f"capacity ({summary['config']['model']}, {size(per_block)} per block)")
-    items = [Figure(svg(fig), "Steady-state token hit rate against cache capacity; belady is the optimal bound")]
+    bound = "; belady is the optimal bound" if "belady" in by_policy else ""
+    items = [Figure(svg(fig), f"Steady-state token hit rate against cache capacity{bound}")]
     for c in curves:
         pairs = list(zip(c["capacity_blocks"], c["token_steady"]))[:: max(1, len(c["capacity_blocks"]) // 10)]
         header = ["capacity (blocks)"] + (["capacity (bytes)"] if per_block else []) + [f"{c['policy']} steady"]

@@ -7,7 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbench.report.page import Figure, Section, Table, num, pct, svg
+from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.style import FULL_WIDTH, count, duration, plain, time_axis
 
 MAX_REUSE_REFS = 20_000_000  # block references examined for reuse intervals: bounded memory on huge traces
 MAX_TASKS_SHOWN = 20
@@ -15,17 +16,19 @@ MAX_TASKS_SHOWN = 20
 
 def characterisation_section(requests: pa.Table | None, trace: pa.Table | None, point: str) -> Section:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     if requests is None or requests.num_rows == 0:
         return Section("Trace characterisation")
     rows = requests.filter(pc.equal(requests.column("point"), point))
     reuse = _reuse(trace) if trace is not None else None
     panels = 3 if reuse is not None else 2
-    fig, axes = plt.subplots(1, panels, figsize=(3.3 * panels, 2.8))
+    fig, axes = plt.subplots(1, panels, figsize=(FULL_WIDTH * panels / 3, 2.8), layout="constrained")
     for ax, col, title in zip(axes, ("input_tokens", "output_tokens"), ("prompt", "output")):
         x = rows.column(col).to_numpy(zero_copy_only=False)
         ax.hist(x, bins=40, color="tab:blue" if col == "input_tokens" else "tab:orange")
         ax.set_xlabel(f"{title} length (tokens)")
+        _short_ticks(ax)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("requests")
     items: list = []
@@ -33,30 +36,67 @@ def characterisation_section(requests: pa.Table | None, trace: pa.Table | None, 
         gaps_s, gaps_req, refs = reuse
         if gaps_s.size:
             positive = gaps_s[gaps_s > 0]
-            axes[2].hist(np.log10(positive) if positive.size else [], bins=40, color="tab:green")
-            axes[2].set_xlabel("reuse interval (log10 s)")
+            if positive.size:
+                # log-spaced bins on a log axis: intervals run from milliseconds (one request's own blocks) to
+                # hours, and the axis reads in time units instead of log10 seconds
+                lo, hi = np.log10(positive.min()), np.log10(positive.max())
+                axes[2].hist(positive, bins=np.logspace(lo, max(hi, lo + 1e-3), 41), color="tab:green")
+                axes[2].set_xscale("log")
+                _duration_ticks(axes[2], positive.min(), positive.max())
+            axes[2].yaxis.set_major_formatter(FuncFormatter(lambda v, _: count(v)))
+            axes[2].set_xlabel("reuse interval")
         axes[2].grid(alpha=0.3)
         reused = gaps_s.size / refs if refs else 0.0
         stats = [
-            ["block references examined", num(refs)],
+            ["block references examined", plain(refs)],
             ["references that reuse an earlier block", pct(reused)],
         ]
         if gaps_s.size:
             stats += [
-                ["reuse interval p50 / p90 (s)", f"{np.percentile(gaps_s, 50):.3g} / {np.percentile(gaps_s, 90):.3g}"],
+                [
+                    "reuse interval p50 / p90",
+                    f"{duration(np.percentile(gaps_s, 50))} / {duration(np.percentile(gaps_s, 90))}",
+                ],
                 [
                     "reuse distance p50 / p90 (requests)",
-                    f"{np.percentile(gaps_req, 50):,.0f} / {np.percentile(gaps_req, 90):,.0f}",
+                    f"{plain(float(np.percentile(gaps_req, 50)))} / {plain(float(np.percentile(gaps_req, 90)))}",
                 ],
             ]
-        items.append(Table(["", ""], stats))
+        items.append(Table(["block reuse", "value"], stats))
         items.append(
             "Reuse interval: time since the same block hash was last referenced. The reuse distance in distinct "
             "blocks (stack distance) is what the LRU hit-rate-vs-capacity curve integrates."
         )
-    fig.tight_layout()
     items.insert(0, Figure(svg(fig), "Prompt and output length histograms, and block reuse intervals"))
     return Section("Trace characterisation", items)
+
+
+def _short_ticks(ax) -> None:
+    """At most five ticks per axis, as short counts (5k, 10k): the default ticks of a long-tailed length run into
+    each other ('5000 10000150002000025000') on a third of the page."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: count(v)))
+
+
+# Ticks a person reads on a time axis: decades below a minute, then the minute, the hour, the day, the week
+# (a decade of seconds reads '16.7 min', '2.78 h').
+TIME_TICKS = {1e-3: "1 ms", 1e-2: "10 ms", 0.1: "100 ms", 1: "1 s", 10: "10 s", 60: "1 min", 600: "10 min",
+              3600: "1 h", 36000: "10 h", 86400: "1 d", 604800: "1 wk", 2592000: "30 d"}  # fmt: skip
+
+
+def _duration_ticks(ax, lo: float, hi: float) -> None:
+    """A log time axis from `lo` to `hi` seconds labelled at TIME_TICKS, every other one when more than four fit."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    ticks = [t for t in TIME_TICKS if lo <= t <= hi] or [min(TIME_TICKS, key=lambda t: abs(t - lo))]
+    ticks = ticks[:: 2 if len(ticks) > 4 else 1]  # a third of the page holds four labels
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(lambda v, _: TIME_TICKS.get(v, duration(v)))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _reuse(trace: pa.Table) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -113,17 +153,24 @@ def agent_section(requests: pa.Table | None, trace: pa.Table | None, point: str)
         np.fmax.at(last, idx, end)
         completion = last - first
     for k in np.argsort(-task_in)[:MAX_TASKS_SHOWN]:
-        row = [str(names[k]), num(int(calls[k])), num(int(task_in[k])), pct(task_hit[k] / max(task_in[k], 1))]
+        row = [str(names[k]), plain(int(calls[k])), plain(int(task_in[k])), pct(task_hit[k] / max(task_in[k], 1))]
         if completion is not None:
-            row.append(f"{completion[k]:.3f}")
+            row.append(duration(completion[k]))
         table_rows.append(row)
-    header = ["task", "calls", "prompt tokens", "hit rate"] + (["completion (s)"] if completion is not None else [])
+    header = ["task", "calls", "prompt tokens", "hit rate"] + (["completion"] if completion is not None else [])
     items: list = [
         f"{names.size:,} tasks, {int(calls.sum()):,} calls; "
         f"overall token hit rate {pct(task_hit.sum() / max(task_in.sum(), 1))}.",
         Table(header, table_rows),
     ]
+    if names.size > MAX_TASKS_SHOWN:
+        items.append(
+            f"The {MAX_TASKS_SHOWN} tasks with the most prompt tokens of {names.size:,}; requests.parquet has every "
+            "call (join it to the trace's session_id for the rest)."
+        )
     if "turn" in joined.column_names:
+        from matplotlib.ticker import PercentFormatter
+
         depth = joined.column("turn").to_numpy(zero_copy_only=False).astype(np.int64)
         d_in = np.bincount(depth, inp)
         d_hit = np.bincount(depth, hit)
@@ -134,10 +181,14 @@ def agent_section(requests: pa.Table | None, trace: pa.Table | None, point: str)
         ax[0][0].plot(shown, d_hit[shown] / d_in[shown], marker="o", markersize=3)
         ax[0][0].set_xlabel("call depth in the task (turn)")
         ax[0][0].set_ylabel("token hit rate")
+        ax[0][0].yaxis.set_major_formatter(PercentFormatter(1.0))
         ax[0][0].grid(alpha=0.3)
         if completion is not None:
-            ax[0][1].hist(completion[np.isfinite(completion)], bins=30)
-            ax[0][1].set_xlabel("task completion time (s)")
+            done = completion[np.isfinite(completion)]
+            scale, unit = time_axis(float(done.max()) if done.size else 0.0)
+            ax[0][1].hist(done / scale, bins=30)
+            _short_ticks(ax[0][1])
+            ax[0][1].set_xlabel(f"task completion time ({unit})")
             ax[0][1].set_ylabel("tasks")
             ax[0][1].grid(alpha=0.3)
         fig.tight_layout()
