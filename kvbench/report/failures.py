@@ -80,10 +80,12 @@ def _timeline(series: list[tuple[str, np.ndarray, list[tuple[float, str, str]]]]
     series = [s for s in series if s[1].size or s[2]]
     if not series:
         return None
-    start = min(float(np.nanmin(np.concatenate([ok, [t for t, _, _ in fails]]))) for _, ok, fails in series)
-    end = max(float(np.nanmax(np.concatenate([ok, [t for t, _, _ in fails]]))) for _, ok, fails in series)
-    divisor, unit = time_axis(max(end - start, 1e-9))
-    edges = np.linspace(0, max(end - start, 1e-9) / divisor, 61)
+    # each point from its own first send (a sweep's points run one after another), on one shared x axis
+    sent = [np.concatenate([ok, [t for t, _, _ in fails]]) for _, ok, fails in series]
+    starts = [float(np.nanmin(t)) for t in sent]
+    span = max(max(float(np.nanmax(t)) - t0 for t, t0 in zip(sent, starts)), 1e-9)
+    divisor, unit = time_axis(span)
+    edges = np.linspace(0, span / divisor, 61)
     counts: dict[str, int] = {}
     for _, _, fails in series:
         for _, cls, _ in fails:
@@ -92,7 +94,7 @@ def _timeline(series: list[tuple[str, np.ndarray, list[tuple[float, str, str]]]]
     height = 2.0 * len(series) + 0.6
     fig, axes = plt.subplots(len(series), 1, figsize=(FULL_WIDTH, height), sharex=True, squeeze=False)
     width = edges[1] - edges[0]
-    for ax, (name, ok, fails) in zip(axes[:, 0], series):
+    for ax, (name, ok, fails), start in zip(axes[:, 0], series, starts):
         bottom = np.histogram((ok - start) / divisor, edges)[0].astype(float)
         ax.bar(edges[:-1], bottom, width, align="edge", color=OK_COLOUR, label="answered")
         times = np.array([t for t, _, _ in fails], dtype=float)
@@ -108,7 +110,7 @@ def _timeline(series: list[tuple[str, np.ndarray, list[tuple[float, str, str]]]]
     handles = {lab: h for ax in axes[:, 0] for h, lab in zip(*ax.get_legend_handles_labels())}
     # beside the plot, not over it: a legend inside would hide the bars of the last bins
     axes[0, 0].legend(handles.values(), handles.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    axes[-1, 0].set_xlabel(f"send time since the first request ({unit})")
+    axes[-1, 0].set_xlabel(f"send time since the point's first request ({unit})")
     fig.tight_layout()
     return svg(fig)
 
@@ -146,9 +148,11 @@ def failure_section(summary: dict, requests: pa.Table | None) -> Section:
             for e in f.get("top_errors") or []:
                 class_rows.append([p["name"], e["error"], plain(e["count"]), pct(e["count"] / f["failed"]), "–", "–"])
     if not table_rows:
-        return Section("Failures")
+        return Section("Requests and failures")
     if not any(r[3] != "0" for r in table_rows):
-        return Section("Failures", [f"No failures: every one of the {plain(sent)} requests sent was answered."])
+        return Section(
+            "Requests and failures", [f"No failures: every one of the {plain(sent)} requests sent was answered."]
+        )
     header = ["point", "requests", "ok", "failed", "of which timeout", "cancelled", "not sent", "failed share"]
     items: list = [Table(header, table_rows)]
     if class_rows:
@@ -170,4 +174,4 @@ def failure_section(summary: dict, requests: pa.Table | None) -> Section:
     fig = _timeline(series)
     if fig is not None:
         items.append(Figure(fig, "Requests per time bin of send time: answered (grey) and failed, by error class"))
-    return Section("Failures", items)
+    return Section("Requests and failures", items)

@@ -48,7 +48,7 @@ def engine_sim(tmp_path_factory):
 def test_live_report_counts_failures_by_class_with_each_first_message(tmp_path):
     run_dir, summary = _live(tmp_path, FAULTS)
     md = (run_dir / "report.md").read_text()
-    failures = _section(md, "Failures")
+    failures = _section(md, "Requests and failures")
     rows = pq.read_table(run_dir / "requests.parquet").to_pylist()
     failed = sorted((r for r in rows if r["status"] != "ok"), key=lambda r: r["actual_send_s"])
     assert failed, "the injected faults failed no request"
@@ -70,7 +70,7 @@ def test_live_report_counts_failures_by_class_with_each_first_message(tmp_path):
 
 def test_a_live_run_without_failures_says_so_in_one_line(tmp_path):
     run_dir, _ = _live(tmp_path, [], n=12)
-    failures = _section((run_dir / "report.md").read_text(), "Failures")
+    failures = _section((run_dir / "report.md").read_text(), "Requests and failures")
     assert failures.strip() == "No failures: every one of the 12 requests sent was answered."
 
 
