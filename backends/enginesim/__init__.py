@@ -7,6 +7,7 @@ overridable from a TOML file)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
 from kvbench.cache.prepared import prepare
 from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 from kvbench.errors import KvbenchError
-from kvbench.live.latency import modeled_latency_summary
+from kvbench.live.latency import modeled_latency_summary, parse_slo
 from kvbench.options import option
 from kvbench.run.backend import PointResult
 from kvbench.trace.files import TraceMeta
@@ -130,6 +131,11 @@ class EngineSimConfig:
         unit="requests",
         type=click.IntRange(min=1),
     )
+    slo: str | None = option(
+        None,
+        "goodput targets on the modeled latencies, as a live replay's --slo: e.g. ttft=500,tpot=50,e2el=20000",
+        unit="ms",
+    )
     mfu: float = _share(0.5, "achieved share of peak FLOP/s (prefill)")
     mbu: float = _share(0.8, "achieved share of peak memory bandwidth (decode)")
     calibration: str | None = option(
@@ -176,6 +182,7 @@ class EngineSimBackend:
         calib = _calibration(c.calibration) if c.calibration else None
         self.latency = LatencyModel(self.model, self.hw, kv_dtype=c.kv_dtype, mfu=c.mfu, mbu=c.mbu, calibration=calib)
         self.sched = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, *_preemption(c.preemption))
+        self.slo = parse_slo(c.slo)  # checked now, before any replay
         self.settings = {
             **options.record(
                 c, policy=self.policies, hardware=self.hw.name, model=self.model.name, calibration=calib and vars(calib)
@@ -296,7 +303,8 @@ class EngineSimBackend:
         for sc in scenarios:
             sc.attach(instances, reqs, trace, prep, bs)
         timeline = simulate(instances, reqs, s["router"], successors, think, scenarios, s["max_concurrency"])
-        result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, modeled_latency_summary)
+        summarise = functools.partial(modeled_latency_summary, slo=self.slo)
+        result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, summarise)
         result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
         return result
 

@@ -146,9 +146,12 @@ def latency_summary(cols: dict, warmup: np.ndarray, tenants: list, slo: dict[str
     return out
 
 
-def modeled_latency_summary(ttft, tpot, e2el, output_tokens, tenants: list, *, send=None, ok=None, itl=None) -> dict:
+def modeled_latency_summary(
+    ttft, tpot, e2el, output_tokens, tenants: list, *, send=None, ok=None, itl=None, slo: dict | None = None
+) -> dict:
     """`latency_summary` for an offline backend's times (engine-sim's modeled, torch's measured service times):
-    sent when it arrived (`send`, zeros when requests have no clock), nothing queued behind a client."""
+    sent when it arrived (`send`, zeros when requests have no clock), nothing queued behind a client; goodput
+    against `slo` (parse_slo's) when given."""
     n = len(ttft)
     zeros = np.zeros(n)
     send = zeros if send is None else send
@@ -166,7 +169,7 @@ def modeled_latency_summary(ttft, tpot, e2el, output_tokens, tenants: list, *, s
         "e2el_from_scheduled_s": e2el,
         "schedule_lag_s": zeros,
     }
-    return latency_summary(cols, np.zeros(n, dtype=bool), tenants, {})
+    return latency_summary(cols, np.zeros(n, dtype=bool), tenants, slo or {})
 
 
 def _by_tenant(cols: dict, measured: np.ndarray, tenants: list) -> list[dict]:

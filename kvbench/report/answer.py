@@ -181,6 +181,10 @@ def timed_items(summary: dict) -> list:
         rows.append([p["name"], plain(lat.get("request_throughput"), 3), plain(lat.get("output_throughput"), 3),
                      goodput, _lat(lat, "ttft", 50), _lat(lat, "ttft", 99), _lat(lat, "tpot", 50),
                      _lat(lat, "tpot", 99), _failures(p), _saturation(p)])  # fmt: skip
+    if not any(p.get("failures") for p in points):  # a model fails no request: the column would be all dashes
+        at = header.index("failed")
+        header = header[:at] + header[at + 1 :]
+        rows = [r[:at] + r[at + 1 :] for r in rows]
     items: list = []
     saturated = [p["name"] for p in points if (p.get("saturation") or {}).get("saturated")]
     if saturated:
@@ -190,7 +194,8 @@ def timed_items(summary: dict) -> list:
         )
     slo = next((p["latency"]["goodput"]["slo"] for p in points if p["latency"].get("goodput")), None)
     if slo:
-        items.append("Goodput: requests per second that met " + ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items()))
+        met = ", ".join(f"{k.removesuffix('_ms').upper()} ≤ {v:g} ms" for k, v in slo.items())
+        items.append(f"Goodput: requests per second that met every target ({met}), and their share of requests.")
     return [*items, Table(header, rows)]
 
 

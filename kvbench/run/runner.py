@@ -172,6 +172,13 @@ def _make_backend(backend_name: str, backend_options: dict):
     except KeyError as exc:
         raise KvbenchError(exc.args[0]) from None
     protocol = protocol_of(backend_cls, backend_name)  # load_backend checked that it declares one
+    declared = {p.name: p for p in backend_cls.cli_options()}
+    unknown = sorted(set(backend_options) - set(declared))
+    if unknown:  # the CLI cannot pass one; a caller from Python could, and it must not be dropped unseen
+        flags = ", ".join(p.opts[0] for p in declared.values() if not getattr(p, "hidden", False))
+        raise KvbenchError(
+            f"--backend {backend_name} has no option {', '.join(repr(k) for k in unknown)}; its options: {flags}"
+        )
     return backend_cls(**backend_options), protocol
 
 
@@ -255,7 +262,7 @@ def _run_online(backend: OnlineBackend, backend_name, backend_options, trace, ru
         _finish(run_dir, summary, report, trace.table)
 
 
-LIVE_TIMING = ["point", "scheduled_send_s", "actual_send_s", "ttft_s", "e2el_s", "status", "input_tokens"]
+LIVE_TIMING = ["point", "scheduled_send_s", "actual_send_s", "ttft_s", "e2el_s", "status", "input_tokens", "workload"]
 
 
 def _live_saturation(run_dir: Path, summary: dict) -> None:
@@ -271,7 +278,8 @@ def _live_saturation(run_dir: Path, summary: dict) -> None:
         mine = rows.filter(pc.equal(rows.column("point"), point["name"]))
         if mine.num_rows:
             cols = {k: mine.column(k).to_numpy(zero_copy_only=False) for k in LIVE_TIMING[1:6]}
-            verdict = saturation(cols, mine.column("input_tokens").to_numpy(zero_copy_only=False))
+            tokens = mine.column("input_tokens").to_numpy(zero_copy_only=False)
+            verdict = saturation(cols, tokens, mine.column("workload").to_pylist())
             if verdict is not None:
                 point["saturation"] = verdict
 
@@ -292,7 +300,9 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
                 point, totals = _write_and_sum(point, trace, writer, warmup)
                 record = {"name": point.name, **point.labels, **totals, **point.extra}
                 if scanned is None:  # a streamed point keeps no per-request columns (bounded memory)
-                    verdict = saturation(point.columns, trace.table.column("input_tokens").to_numpy())
+                    table = trace.table
+                    workloads = table.column("workload").to_pylist() if "workload" in table.column_names else None
+                    verdict = saturation(point.columns, table.column("input_tokens").to_numpy(), workloads)
                     if verdict is not None:  # time modeled (engine-sim); a cache simulation has none
                         record["saturation"] = verdict
                 summary["points"].append(record)
