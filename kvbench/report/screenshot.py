@@ -69,10 +69,16 @@ def chromium() -> Iterator:
     problem = browser_problem()
     if problem is not None:
         raise BrowserMissing(f"cannot take screenshots: {problem}; install with: {INSTALL_HINT}")
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import Error, sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_executable(), args=CHROMIUM_ARGS, timeout=TIMEOUT_MS)
+        try:
+            browser = pw.chromium.launch(executable_path=chromium_executable(), args=CHROMIUM_ARGS, timeout=TIMEOUT_MS)
+        except Error as exc:  # a binary that is not Chromium, or one that crashes at start in this container
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BrowserMissing(
+                f"{chromium_executable()} did not start as headless Chromium ({first}); install with: {INSTALL_HINT}"
+            ) from None
         try:
             yield browser
         finally:
@@ -97,12 +103,17 @@ def screenshot_pages(pages: list[tuple[Path, Path]], width: int = WIDTH) -> list
     """Each (html, png) pair: open the page from disk, wait until it is idle (its scripts have drawn), and
     write its full-page screenshot. One browser for all of them. Returns the PNG paths."""
     written = []
-    with chromium() as browser:
+    with chromium() as browser:  # first: it says what to install when playwright is missing
+        from playwright.sync_api import Error
+
         for html, png in pages:
             page = new_page(browser, width)
             try:
                 page.goto(Path(html).resolve().as_uri(), wait_until="networkidle")
                 written.append(capture(page, png))
+            except Error as exc:  # a page that never settles (timeout) or a browser that died: name the page
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise KvbenchError(f"{html}: no screenshot taken ({first})") from None
             finally:
                 page.close()
     return written

@@ -182,12 +182,19 @@ def test_report_command_takes_screenshots(runs, pages):
     assert "replaced" in CliRunner().invoke(main, ["report", "--help"]).output
 
 
-def test_report_command_without_a_browser_still_writes_the_report(runs, monkeypatch):
+@pytest.mark.parametrize("lacking", ["chromium", "playwright"])
+def test_report_command_without_a_browser_still_writes_the_report(runs, monkeypatch, lacking):
+    import sys
+
     from kvbench.cli import main
 
     run = runs["live"]
     (run / "report.html").unlink()
-    monkeypatch.setenv("KVBENCH_CHROMIUM", "")  # an empty path hides Chromium
+    if lacking == "chromium":
+        monkeypatch.setenv("KVBENCH_CHROMIUM", "")  # an empty path hides Chromium
+    else:  # None in sys.modules makes `import playwright…` fail as if it were not installed
+        monkeypatch.setitem(sys.modules, "playwright", None)
+        monkeypatch.setitem(sys.modules, "playwright.sync_api", None)
     r = CliRunner().invoke(main, ["report", str(run), "--screenshot"])
     assert r.exit_code != 0
     assert "apt install chromium" in r.output and "pip install playwright" in r.output
