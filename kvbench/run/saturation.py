@@ -25,15 +25,53 @@ SPAN_SHARE = 0.1  # growth past this share of the run's length counts even below
 SETTLED = 0.25  # a bin is back "at the early level" when its median is within this share of the threshold
 
 
-def saturation(columns: Mapping[str, object], input_tokens=None) -> dict | None:
+def saturation(columns: Mapping[str, object], input_tokens=None, workloads=None) -> dict | None:
     """The saturation verdict of one point from its per-request columns: `scheduled_send_s` (when the trace or
     the pacing meant each request to go), `actual_send_s`, `e2el_s`, `status`, and the queueing signal —
     `queue_s` (engine-sim: arrival to the scheduler's admission) or else `ttft_s` (a live server queues before
-    the first token). `input_tokens`: the prompts' lengths, for the offered token rate. None when the point has
-    no timing (an offline cache simulation)."""
+    the first token). `input_tokens`: the prompts' lengths, for the offered token rate. `workloads`: each
+    request's workload label; with two or more, each workload gets its own verdict too (`by_workload`), and
+    one that saturates while the whole does not becomes the verdict (`workload` names it): a reasoning pool
+    serving a tenth of the requests can drown while the median request is served at once. None when the
+    point has no timing (an offline cache simulation)."""
     scheduled = _floats(columns.get("scheduled_send_s"))
     if scheduled is None or not np.isfinite(scheduled).any():
         return None
+    origin = float(np.nanmin(scheduled))
+    whole = _one(columns, input_tokens, origin)
+    labels = None if workloads is None else np.asarray(workloads, dtype=object)
+    names = [] if labels is None else sorted({w for w in labels.tolist() if w is not None})
+    if len(names) < 2:
+        return whole
+    by = {}
+    for name in names:
+        mask = labels == name
+        if int(mask.sum()) >= MIN_REQUESTS:
+            part = {k: _take(v, mask) for k, v in columns.items()}
+            by[name] = _one(part, None if input_tokens is None else np.asarray(input_tokens)[mask], origin)
+    drowned = sorted((v["from_s"], name) for name, v in by.items() if v["saturated"])
+    if whole["saturated"] or not drowned:
+        whole["by_workload"] = {name: _brief(v) for name, v in by.items()}
+        return whole
+    name = drowned[0][1]
+    verdict = {**by[name], "workload": name, "all": _brief(whole), "why": f"{name} requests: {by[name]['why']}"}
+    verdict["by_workload"] = {k: _brief(v) for k, v in by.items()}
+    return verdict
+
+
+def _brief(v: dict) -> dict:
+    return {k: v[k] for k in ("saturated", "from_s", "offered_rps", "served_rps", "queue_growth_s", "why")}
+
+
+def _take(values, mask: np.ndarray):
+    if values is None:
+        return None
+    return (values if isinstance(values, np.ndarray) else np.asarray(values, dtype=object))[mask]
+
+
+def _one(columns: Mapping[str, object], input_tokens, origin: float) -> dict:
+    """The verdict of one set of requests, times counted from `origin` (the point's first scheduled send)."""
+    scheduled = _floats(columns.get("scheduled_send_s"))
     n = scheduled.size
     sent = _floats(columns.get("actual_send_s"))
     sent = scheduled if sent is None else sent
@@ -85,7 +123,7 @@ def saturation(columns: Mapping[str, object], input_tokens=None) -> dict | None:
         out["why"] = f"too few timed requests ({int(timed.sum())}) to see a trend in queueing delay"
         return out
     service = np.where(ok, e2el, np.nan)[timed]  # a timed-out request has no service time of its own
-    return _verdict(out, scheduled[timed] - t0, delay[timed], service)
+    return _verdict(out, scheduled[timed] - origin, delay[timed], service)
 
 
 def _verdict(out: dict, t: np.ndarray, delay: np.ndarray, e2el: np.ndarray) -> dict:
@@ -145,7 +183,8 @@ def describe(verdict: dict | None) -> str | None:
         return None
     rates = f"offered {_rate(verdict.get('offered_rps'))}, served {_rate(verdict.get('served_rps'))}"
     if verdict["saturated"]:
-        return f"saturated from t = {_s(verdict['from_s'])}: {rates}"
+        who = f" ({verdict['workload']} requests)" if verdict.get("workload") else ""
+        return f"saturated from t = {_s(verdict['from_s'])}{who}: {rates}"
     return f"not saturated: {rates}"
 
 
