@@ -63,7 +63,7 @@ def _names(points: list[dict], key: str) -> list[str]:
     size: dict[str, int] = {}
     for p in points:
         for g in p.get(key) or []:
-            size.setdefault(g["name"], g.get("input_tokens") or 0)
+            size.setdefault(g["name"], g.get("input_tokens") or g.get("tokens") or 0)
     return sorted(size, key=lambda n: -size[n])
 
 
@@ -132,13 +132,17 @@ def _dot_figure(groups: list[tuple[str, list[dict]]], key: str, names: list[str]
     panels = (swept or groups)[:MAX_PANELS]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
-    height = 0.2 * len(names) + 1.2
+    height = 0.22 * len(names) + 1.4
     fig, axes = plt.subplots(
         rows, cols, figsize=(FULL_WIDTH if cols > 1 else SMALL_MULTIPLE * 2, height * rows), sharey=True,
         squeeze=False,
     )  # fmt: skip
     y = np.arange(len(names))
     seen: dict[str, object] = {}
+    # one x range for all panels, from the tenth below the lowest rate drawn: rates bunched at 60-90 % would
+    # otherwise share a third of an axis that starts at 0
+    drawn = [r for _, g in panels for p in g for n, r in _rates(p, key).items() if n in names and r is not None]
+    low = np.floor(min(drawn, default=0.0) * 10) / 10
     for ax, (label, group) in zip(axes.flat, panels):
         for k, p in enumerate(group):
             rates = _rates(p, key)
@@ -146,17 +150,17 @@ def _dot_figure(groups: list[tuple[str, list[dict]]], key: str, names: list[str]
             mark = "D" if p.get("policy") == "belady" else "o"
             # each policy a little lower in the row than the one before: policies with equal rates (common
             # when neither evicts a tenant's blocks) would otherwise hide each other's dots
-            dodge = 0.5 * (k / max(len(group) - 1, 1) - 0.5)
+            dodge = 0.4 * (k / max(len(group) - 1, 1) - 0.5)  # within ±0.2 of the row, clear of the next
             seen[_series(p)] = ax.scatter(x, y + dodge, s=22, marker=mark, color=colour(_series(p)), zorder=3)
         ax.set_title(label, fontsize=9)
-        ax.set_xlim(-0.02, 1.02)
+        ax.set_xlim(low - 0.02, 1.02)
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     axes[0][0].set_yticks(y, names)
-    axes[0][0].invert_yaxis()
+    axes[0][0].set_ylim(len(names) - 0.5, -0.5)  # largest group on top; rows keep their dodged dots inside
     for ax in axes[-1]:
         ax.set_xlabel("token hit rate (all requests)", fontsize=8)
     fig.legend(seen.values(), seen.keys(), loc="upper center", ncol=min(len(seen), 6), fontsize=8,
