@@ -37,7 +37,7 @@ def point_groups(points: list[dict]) -> list[tuple[str, list[dict]]]:
         else:
             rest.append(p)
     groups = [(f"{plain(c)} blocks", swept[c]) for c in sorted(swept)]
-    title = "other points" if groups else "points"
+    title = "other points" if groups else "every point" if len(rest) <= MAX_COLUMNS else "points"
     groups += [(title, rest[i : i + MAX_COLUMNS]) for i in range(0, len(rest), MAX_COLUMNS)]
     return groups
 
@@ -76,7 +76,7 @@ def _cut_note(total: int, shown: int, what: str, key: str, column: str | None) -
     if column:
         where += f" and requests.parquet (column {column})"
     return (
-        f"{total:,} {what}s: the {shown:,} with the most input tokens are shown, the other {total - shown:,} "
+        f"{total:,} {what}s: the {shown:,} with the most input tokens are shown; the remaining {total - shown:,} "
         f"are in {where}."
     )
 
@@ -94,7 +94,8 @@ def breakdown_sections(summary: dict) -> list[Section]:
             items = [f"Every request belongs to {one}: its hit rates are those of 'Hit rate per point'."]
             out.append(Section(f"Hit rate by {title}", items))
             continue
-        shown = names[:MAX_GROUPS]
+        # cut only when it saves something: hiding the last two of 32 tenants would cost more than it spares
+        shown = names if len(names) <= MAX_GROUPS + 5 else names[:MAX_GROUPS]
         groups = point_groups(points)
         items: list = []
         if len(names) > 1:
@@ -168,7 +169,8 @@ def _dot_figure(groups: list[tuple[str, list[dict]]], key: str, names: list[str]
     fig.tight_layout()
     more = f" ({len(panels)} of {len(groups)} groups of points; the tables below have every point)"
     more = more if len(groups) > len(panels) else ""
-    return Figure(svg(fig), f"Token hit rate by {title}, one panel per capacity, one colour per policy{more}")
+    per = "one panel per capacity, " if any("capacity_blocks" in p for _, g in panels for p in g) else ""
+    return Figure(svg(fig), f"Token hit rate by {title}, {per}one colour per policy{more}")
 
 
 def _zero_tenants(p: dict) -> list[dict]:
@@ -194,7 +196,9 @@ def fairness_section(summary: dict) -> Section:
     rows = []
     for p in points:
         tenants = sorted(p["by_tenant"], key=lambda g: g["hit_rate"])
-        worst = tenants[0]
+        # the tenants at 0 % are counted in their own column (mostly one-request tenants, see the note): the
+        # worst among the others is the one a policy change could help
+        worst = next((g for g in tenants if g["hit_rate"]), tenants[0])
         ratio, among = _ratio_cell(p)
         rows.append(
             [
@@ -208,7 +212,7 @@ def fairness_section(summary: dict) -> Section:
             ]
         )
     header = ["point", "Jain's index (hit rate)", "max/min ratio", "max/min, tenants with hits", "tenants",
-              "tenants at 0%", "worst-served tenant"]  # fmt: skip
+              "tenants at 0%", "worst-served tenant with hits"]  # fmt: skip
     items: list = [
         "Jain's index is 1 when every tenant has the same hit rate and 1/n when one tenant takes all. The max/min "
         "ratio divides the best tenant's hit rate by the worst's.",
@@ -220,8 +224,8 @@ def fairness_section(summary: dict) -> Section:
         few = sum(1 for g in sample if g["requests"] <= 1)
         items.append(
             f"max/min ratio undefined: at {len(zero)} of {len(points)} points a tenant has a 0% hit rate (at "
-            f"{zero[0][0]}: {len(sample)} tenants, {few} of them with a single request, which can only hit "
-            "blocks another tenant cached), and no ratio divides by 0. 'max/min, tenants with hits' leaves those "
+            f"{zero[0][0]}: {len(sample)} tenants, {few} of them with a single request, which finds none of its "
+            "tenant's blocks cached before it), and no ratio divides by 0. 'max/min, tenants with hits' leaves those "
             "tenants out; summary.json's by_tenant lists every tenant with its requests and hit rate."
         )
     items += heat_maps(points)
@@ -233,7 +237,8 @@ def heat_maps(points: list[dict]) -> list:
     what the matrix says (self-evictions, the heaviest pair), so no point is left out."""
     have = [p for p in points if _matrix(p) is not None]
     if not have:
-        return []
+        tracked = any((p.get("fairness") or {}).get("evictor_victim") for p in points)
+        return ["No point evicted a block: the evictor × victim matrices are empty."] if tracked else []
     label, group = chosen_group(point_groups(have))
     items: list = [_heat_figure(group[:MAX_PANELS], label)]
     rows = []
