@@ -31,6 +31,16 @@ def point_colours(points: list[dict]) -> dict[str, str]:
     return {p["name"]: _INDEX_COLOURS[i % len(_INDEX_COLOURS)] for i, p in enumerate(points)}
 
 
+def point_lines(points: list[dict]) -> dict[str, dict]:
+    """matplotlib line keywords per point: its colour, and a dash pattern that changes from point to point, so
+    two points that behave alike (a pool too large for the policy to matter) stay visible on top of each other."""
+    dashes = ("-", "--", ":", "-.")
+    return {
+        name: {"color": c, "linestyle": dashes[i % len(dashes)]}
+        for i, (name, c) in enumerate(point_colours(points).items())
+    }
+
+
 def _ms(x) -> str:
     return "–" if x is None else f"{x:,.2f}"
 
@@ -116,7 +126,8 @@ def _tenant_items(points: list[dict]) -> list:
         items.append(f"{p['name']}: Jain's index over tenants' median TTFT {plain(jain)} (1 = all wait the same).")
     rows, cut = [], []
     for p in points:
-        tenants = p["latency"]["by_tenant"]
+        # the busiest tenants first: when the list is cut, the tenants left out are the ones with fewest requests
+        tenants = sorted(p["latency"]["by_tenant"], key=lambda t: (-(t["requests"] or 0), t["name"]))
         if len(tenants) > MAX_TENANTS:
             cut.append(f"{p['name']} {MAX_TENANTS} of {len(tenants)}")
         for i, t in enumerate(tenants[:MAX_TENANTS]):
@@ -126,7 +137,10 @@ def _tenant_items(points: list[dict]) -> list:
     header = ["tenant", "requests", "TTFT p50", "TTFT p99", "slowdown (p50 / everyone's p50)"]
     items.append(Table(header if len(points) == 1 else ["point", *header], rows))
     if cut:
-        items.append(f"Tenants shown: {'; '.join(cut)}; summary.json (latency.by_tenant) has them all.")
+        items.append(
+            f"Tenants shown, those with the most requests: {'; '.join(cut)}; summary.json (latency.by_tenant) "
+            "has them all."
+        )
     return items
 
 
@@ -154,7 +168,7 @@ def _cdfs(points: list[dict], rows: pa.Table) -> str | None:
     """A panel per metric that has data in some point (no empty axes), a line per point."""
     import matplotlib.pyplot as plt
 
-    colours = point_colours(points)
+    lines = point_lines(points)
     per_point = {p["name"]: rows.filter(pc.equal(rows.column("point"), p["name"])) for p in points}
     panels = []
     for key, title in METRICS[:4]:
@@ -170,7 +184,7 @@ def _cdfs(points: list[dict], rows: pa.Table) -> str | None:
     for ax, (title, series) in zip(axes, panels):
         divisor, unit = _time_unit(max(float(np.quantile(v, 0.99)) for _, v in series))
         for name, v in series:
-            ax.plot(np.quantile(v, q) / divisor, q, color=colours[name], label=name)
+            ax.plot(np.quantile(v, q) / divisor, q, label=name, **lines[name])
         ax.set_xlabel(f"{title} ({unit})")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
@@ -208,7 +222,7 @@ def _serving_timeline(summary: dict, requests: pa.Table) -> Section:
     import matplotlib.pyplot as plt
 
     points = summary.get("points", [])
-    colours = point_colours(points)
+    colours, lines = point_colours(points), point_lines(points)
     series = []
     for p in points:
         rows = requests.filter(pc.equal(requests.column("point"), p["name"]))
@@ -259,7 +273,7 @@ def _serving_timeline(summary: dict, requests: pa.Table) -> Section:
             if len(answered) == 1:
                 ax.plot(t[ok] / divisor, ttft[ok] / ydiv, ".", markersize=2, color=colours[name], alpha=0.4)
             median = _binned_median(t[ok], ttft[ok], edges)
-            ax.plot(edges[:-1] / divisor, median / ydiv, color=colours[name], label=f"{name} (median per bin)")
+            ax.plot(edges[:-1] / divisor, median / ydiv, label=f"{name} (median per bin)", **lines[name])
         if log:
             from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
@@ -272,7 +286,7 @@ def _serving_timeline(summary: dict, requests: pa.Table) -> Section:
         if panel:
             ax = axes.pop(0)
             for name, gt, v in panel:
-                ax.plot(gt, v * scale, color=colours[name], label=name)
+                ax.plot(gt, v * scale, label=name, **lines[name])
             ax.set_ylabel(label)
     for ax in fig.axes:
         ax.grid(alpha=0.3)
