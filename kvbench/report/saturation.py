@@ -32,10 +32,18 @@ def saturation_section(summary: dict) -> Section:
         "Saturated: the queueing delay (time from a request's scheduled send to its admission, or to its first "
         "token on a live server) kept growing to the end of the run, past an early request's service time. "
         "Latency percentiles of a saturated point grow with the trace's length and describe the queue, not the "
-        "deployment. Served: completions over the schedule's window, shifted by one service time.",
+        "deployment. Served: requests taken up (admitted; first token on a live server) per second over the "
+        "schedule's window.",
         Table(header, rows),
     ]
     items += [f"{p['name']}: {p['saturation']['why']}." for p in points]
+    by_workload = _workload_rows(points)
+    if by_workload:
+        items.append(
+            "Each workload on its own (a pool serving one workload can drown while the median request is "
+            "served at once; such a workload becomes the point's verdict):"
+        )
+        items.append(Table(["point", "workload", "verdict", "from t =", "offered", "served"], by_workload))
     saturated = [p for p in points if p["saturation"]["saturated"] and p["saturation"].get("bins")]
     if saturated:
         items.append(Figure(_plot(saturated), "Median queueing delay over the run, saturated points"))
@@ -53,6 +61,18 @@ def _row(name: str, v: dict) -> list[str]:
         duration(v.get("early_delay_s")),
         duration(v.get("late_delay_s")),
     ]
+
+
+def _workload_rows(points: list[dict]) -> list[list[str]]:
+    rows = []
+    for p in points:
+        for name, v in (p["saturation"].get("by_workload") or {}).items():
+            verdict = "saturated" if v["saturated"] else "not saturated"
+            when = duration(v["from_s"]) if v["saturated"] else "–"
+            rows.append(
+                [p["name"], name, verdict, when, _per_s(v["offered_rps"], "req"), _per_s(v["served_rps"], "req")]
+            )
+    return rows
 
 
 def _per_s(rate: float | None, what: str) -> str:

@@ -98,13 +98,16 @@ def _one(columns: Mapping[str, object], input_tokens, origin: float) -> dict:
     offered_rps = int(valid.sum()) / span if span > 0 else None
     tokens = None if input_tokens is None else np.asarray(input_tokens, dtype=np.float64)
     offered_tps = float(tokens[valid].sum()) / span if span > 0 and tokens is not None else None
-    # Served: completions over the schedule's window shifted by an unqueued request's E2EL (the median of the
-    # first quarter's): a deployment that keeps up completes what arrives, one service time later; counting
-    # to the last completion instead would charge a long-tailed trace its slowest request as lost throughput.
-    finish = sent + e2el
+    # Served: requests the deployment took up (admitted by the scheduler; first token on a live server) per
+    # second, over the schedule's window shifted by an early request's delay. A deployment that keeps up takes
+    # up what arrives right away (served = offered); a saturated one at its capacity, which in steady state is
+    # also the rate it completes requests. Completions themselves would not do: a request decoding for an hour
+    # completes long after the window whether or not anything queued.
+    taken = scheduled + delay
     first = np.argsort(np.where(valid, scheduled, np.inf), kind="stable")[: max(1, n // 4)]
-    shift = float(np.median(e2el[first][ok[first]])) if ok[first].any() else 0.0
-    in_window = ok & (finish >= t0 + shift) & (finish <= t1 + shift)
+    early = delay[first][np.isfinite(delay[first])]
+    shift = float(np.median(early)) if early.size else 0.0
+    in_window = ok & (taken >= t0 + shift) & (taken <= t1 + shift)
     served_rps = int(in_window.sum()) / span if span > 0 else None
     out = {
         "saturated": False,

@@ -111,3 +111,38 @@ def test_demo_options_give_a_deployment_that_serves_each_generated_workload(tmp_
     _, summary = run_replay(path, "engine-sim", options, out=tmp_path / "run", report=False)
     v = summary["points"][0]["saturation"]
     assert v["saturated"] is False, v["why"]
+
+
+def test_a_workload_that_drowns_under_a_served_majority_is_the_verdict():
+    """Nine chat requests in ten admitted at once, the tenth (reasoning) queueing ever longer: the median
+    request sees no queue, the reasoning pool is saturated, and the verdict says which workload."""
+    n = 400
+    t = np.linspace(0, 400, n)
+    reasoning = np.arange(n) % 10 == 0
+    queue = np.where(reasoning, t * 0.5, 0.01)
+    cols = {"scheduled_send_s": t, "actual_send_s": t, "queue_s": queue, "e2el_s": queue + 2.0, "status": ["ok"] * n}
+    v = saturation(cols, None, np.where(reasoning, "reasoning", "chat").tolist())
+    assert v["saturated"] and v["workload"] == "reasoning" and v["all"]["saturated"] is False
+    assert v["by_workload"]["chat"]["saturated"] is False and 0 <= v["from_s"] < 400
+    assert "(reasoning requests)" in describe(v) and v["why"].startswith("reasoning requests: ")
+
+
+def test_the_live_demo_cuts_every_workload_to_the_engine_context_keeping_shared_prefixes(tmp_path):
+    """`demo --live` replays all five kinds: the agent trace's prompts (all longer than a tiny CPU model's
+    8192-token context) keep their leading whole blocks, so requests still share what they shared."""
+    from kvbench.run.demo import LIVE_OUTPUT_TOKENS, live_subset
+    from kvbench.trace import generators
+    from kvbench.trace.validation import check
+
+    for kind, gen in generators.registry().items():
+        table, meta = gen.run(60, seed=1)
+        sub, cut = live_subset(table, 8192, 40, meta.block_size)
+        check(sub, meta.block_size, kind)
+        assert sub.num_rows == 40
+        assert max(sub.column("input_tokens").to_pylist()) + LIVE_OUTPUT_TOKENS <= 8192
+        before, after = table.slice(0, 40).column("block_hashes").to_pylist(), sub.column("block_hashes").to_pylist()
+        assert all(a == b[: len(a)] for a, b in zip(after, before))  # a prefix of the original, always
+        if kind == "agent":
+            assert cut == 40
+            firsts = [h[0] for h in after]
+            assert len(set(firsts)) < len(firsts)  # requests still share leading blocks
