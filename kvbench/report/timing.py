@@ -58,14 +58,22 @@ def measured(requests: pa.Table) -> pa.Table:
 
 
 def _latency_rows(lat: dict) -> list[tuple[str, dict]]:
-    """(metric title, distribution in ms) for every measured metric of a point, in table order."""
+    """(metric title, distribution in ms) for every measured metric of a point, in table order. Without any
+    schedule lag (a model sends every request on time) the rows from the scheduled send repeat the others and
+    the lag is all zeros: they are left out, and the table's note says why."""
     out = [(title, lat[key]) for key, title in METRICS if lat.get(key)]
-    for key, title in (("ttft", "TTFT from scheduled send"), ("e2el", "E2EL from scheduled send")):
-        if (lat.get("from_scheduled") or {}).get(key):
-            out.append((title, lat["from_scheduled"][key]))
-    if lat.get("schedule_lag"):
-        out.append(("schedule lag", lat["schedule_lag"]))
+    if not _no_lag(lat):
+        for key, title in (("ttft", "TTFT from scheduled send"), ("e2el", "E2EL from scheduled send")):
+            if (lat.get("from_scheduled") or {}).get(key):
+                out.append((title, lat["from_scheduled"][key]))
+        if lat.get("schedule_lag"):
+            out.append(("schedule lag", lat["schedule_lag"]))
     return out
+
+
+def _no_lag(lat: dict) -> bool:
+    lag = lat.get("schedule_lag")
+    return bool(lag) and not lag["max_ms"] and not lag["mean_ms"]
 
 
 def _facts(points: list[dict]) -> Table:
@@ -155,6 +163,10 @@ def latency_sections(summary: dict, requests: pa.Table | None) -> list[Section]:
             caption = "Cumulative distributions of per-request latencies (warm-up and failures excluded)"
             items.append(Figure(fig, caption + (", one colour per point" if len(points) > 1 else "")))
     items.append(_percentile_table(points))
+    if all(_no_lag(p["latency"]) for p in points):
+        items.append(
+            "Every request was sent when scheduled (no schedule lag): latencies from the scheduled send are these."
+        )
     return [Section("Latency", items), Section("Latency by tenant", _tenant_items(points))]
 
 
