@@ -128,10 +128,12 @@ def _tenant_items(points: list[dict]) -> list:
     points = [p for p in points if len(p["latency"].get("by_tenant") or []) > 1]
     if not points:
         return []
-    items: list = []
-    for p in points:
-        jain = ((p["latency"].get("fairness") or {}).get("jain") or {}).get("ttft_p50")
-        items.append(f"{p['name']}: Jain's index over tenants' median TTFT {plain(jain)} (1 = all wait the same).")
+    jain = {p["name"]: ((p["latency"].get("fairness") or {}).get("jain") or {}).get("ttft_p50") for p in points}
+    note = "Jain's index over tenants' median TTFT (1 = every tenant waits the same)"
+    if len(points) == 1:
+        items: list = [f"{note}: {plain(next(iter(jain.values())))}."]
+    else:  # one line per point would be a column of sentences: a table reads faster
+        items = [f"{note}, per point:", Table(["point", "Jain's index"], [[n, plain(j)] for n, j in jain.items()])]
     rows, cut = [], []
     for p in points:
         # the busiest tenants first: when the list is cut, the tenants left out are the ones with fewest requests
