@@ -185,3 +185,18 @@ def points_missing_by_section(md: str, points: list[str]) -> dict[str, list[str]
             if left_out:
                 missing[title] = left_out
     return missing
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    """Every body row of every markdown table in `text`, as {header: cell}."""
+    lines = text.splitlines()
+    rows: list[dict[str, str]] = []
+    header = None
+    for i, line in enumerate(lines):
+        if not line.lstrip().startswith("|"):
+            header = None
+        elif header is None and i + 1 < len(lines) and re.fullmatch(r"\s*\|(\s*:?-+:?\s*\|)+\s*", lines[i + 1]):
+            header = _cells(line)
+        elif header is not None and not re.fullmatch(r"\s*\|(\s*:?-+:?\s*\|)+\s*", line):
+            rows.append(dict(zip(header, _cells(line), strict=False)))
+    return rows
