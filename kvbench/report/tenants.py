@@ -13,7 +13,7 @@ from kvbench.trace.metrics import NO_LABEL
 MAX_GROUPS = 30  # tenants (or workloads) per plot and table: beyond that a row label is unreadable
 MAX_PANELS = 6  # small multiples per figure: two rows at full width
 FEW_GROUPS = 6  # up to this many groups, one table with a row per point and a column per group
-MAX_COLUMNS = 8  # points per table: wider tables overflow the page and a terminal
+MAX_COLUMNS = 6  # points per table: with longer names (belady/21200blocks) wider tables overflow the page
 MAX_HEAT = 12  # tenants named on a heat map's axes; the rest are summed into one 'other' row and column
 BREAKDOWNS = (
     ("by_tenant", "tenant", "tenant"),
@@ -38,7 +38,10 @@ def point_groups(points: list[dict]) -> list[tuple[str, list[dict]]]:
             rest.append(p)
     groups = [(f"{plain(c)} blocks", swept[c]) for c in sorted(swept)]
     title = "other points" if groups else "every point" if len(rest) <= MAX_COLUMNS else "points"
-    groups += [(title, rest[i : i + MAX_COLUMNS]) for i in range(0, len(rest), MAX_COLUMNS)]
+    parts = range(0, len(rest), MAX_COLUMNS)
+    numbered = len(parts) > 1
+    groups += [(f"{title} ({k + 1} of {len(parts)})" if numbered else title, rest[i : i + MAX_COLUMNS])
+               for k, i in enumerate(parts)]  # fmt: skip
     return groups
 
 
@@ -110,15 +113,19 @@ def breakdown_sections(summary: dict) -> list[Section]:
             items.append(Table(["point", *names], rows))
             out.append(Section(f"Hit rate by {title}", items))
             continue
-        for label, group in groups:
-            rows = []
-            for name in shown:
-                requests = (first.get(name) or {}).get("requests")
-                row = [name, plain(requests) if requests is not None else "–"]
-                row += [pct(_rates(p, key).get(name)) for p in group]
-                rows.append(row)
-            items.append(f"Token hit rate (all requests) by {title}, {label}:")
-            items.append(Table([title, "requests", *(p["name"] for p in group)], rows))
+        for label, whole in groups:
+            parts = range(0, len(whole), MAX_COLUMNS)
+            for i in parts:  # a capacity swept with many policies: its table in parts that fit the page
+                group = whole[i : i + MAX_COLUMNS]
+                part = f" ({i // MAX_COLUMNS + 1} of {len(parts)})" if len(parts) > 1 else ""
+                rows = []
+                for name in shown:
+                    requests = (first.get(name) or {}).get("requests")
+                    row = [name, plain(requests) if requests is not None else "–"]
+                    row += [pct(_rates(p, key).get(name)) for p in group]
+                    rows.append(row)
+                items.append(f"Token hit rate (all requests) by {title}, {label}{part}:")
+                items.append(Table([title, "requests", *(p["name"] for p in group)], rows))
         out.append(Section(f"Hit rate by {title}", items))
     return out
 
@@ -167,7 +174,7 @@ def _dot_figure(groups: list[tuple[str, list[dict]]], key: str, names: list[str]
     fig.legend(seen.values(), seen.keys(), loc="upper center", ncol=min(len(seen), 6), fontsize=8,
                bbox_to_anchor=(0.5, 1.0 + 0.3 / (height * rows)))  # fmt: skip
     fig.tight_layout()
-    more = f" ({len(panels)} of {len(groups)} groups of points; the tables below have every point)"
+    more = " (the capacities policies were compared at; the tables below have every point)"
     more = more if len(groups) > len(panels) else ""
     per = "one panel per capacity, " if any("capacity_blocks" in p for _, g in panels for p in g) else ""
     return Figure(svg(fig), f"Token hit rate by {title}, {per}one colour per policy{more}")
@@ -211,8 +218,8 @@ def fairness_section(summary: dict) -> Section:
                 f"{worst['name']} ({pct(worst['hit_rate'])}, {plain(worst['requests'])} req.)",
             ]
         )
-    header = ["point", "Jain's index (hit rate)", "max/min ratio", "max/min, tenants with hits", "tenants",
-              "tenants at 0%", "worst-served tenant with hits"]  # fmt: skip
+    # short headers: the table has a row per point and must fit the page without wrapping its cells
+    header = ["point", "Jain's index", "max/min", "max/min with hits", "tenants", "at 0%", "worst-served with hits"]
     items: list = [
         "Jain's index is 1 when every tenant has the same hit rate and 1/n when one tenant takes all. The max/min "
         "ratio divides the best tenant's hit rate by the worst's.",
@@ -222,11 +229,12 @@ def fairness_section(summary: dict) -> Section:
     if zero:
         sample = zero[0][1]
         few = sum(1 for g in sample if g["requests"] <= 1)
+        # the usual cause: a tenant's only request finds none of its tenant's blocks cached before it
+        why = f", {few} of them with a single request, which finds none of its tenant's blocks cached" if few else ""
         items.append(
             f"max/min ratio undefined: at {len(zero)} of {len(points)} points a tenant has a 0% hit rate (at "
-            f"{zero[0][0]}: {len(sample)} tenants, {few} of them with a single request, which finds none of its "
-            "tenant's blocks cached before it), and no ratio divides by 0. 'max/min, tenants with hits' leaves those "
-            "tenants out; summary.json's by_tenant lists every tenant with its requests and hit rate."
+            f"{zero[0][0]}: {len(sample)} tenant(s){why}), and no ratio divides by 0. 'max/min with hits' leaves "
+            "those tenants out; summary.json's by_tenant lists every tenant with its requests and hit rate."
         )
     items += heat_maps(points)
     return Section("Tenant fairness", items)
@@ -296,7 +304,7 @@ def _heat_figure(group: list[dict], label: str) -> Figure:
 
     cols = min(len(group), 3)
     rows = -(-len(group) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(FULL_WIDTH, 3.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(FULL_WIDTH, 3.8 * rows), squeeze=False, layout="constrained")
     raw = [_matrix(p) for p in group]
     keep = _shared_axes(raw)
     mats = [_reduced(m, names, keep) for m, names in raw]
@@ -314,7 +322,6 @@ def _heat_figure(group: list[dict], label: str) -> Figure:
         row[0].set_ylabel("evicting tenant", fontsize=7)
     for ax in axes.flat[len(group) :]:
         ax.set_visible(False)
-    fig.tight_layout()
     fig.colorbar(im, ax=axes.ravel().tolist(), label="blocks evicted + 1 (log)", shrink=0.8)
     return Figure(
         svg(fig),
