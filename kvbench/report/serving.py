@@ -4,6 +4,8 @@ with units, one column per point, so points are read side by side instead of as 
 
 from __future__ import annotations
 
+import json
+
 from kvbench.report.page import Section, Table, pct
 from kvbench.report.style import duration, plain, size
 
@@ -48,7 +50,7 @@ def value_text(key: str, value) -> str:
     if {"rate", "share", "fraction"} & set(words):
         return pct(value)
     if "s" in words:
-        return duration(value)
+        return "0 s" if value == 0 else duration(value)
     return plain(value)
 
 
@@ -78,10 +80,21 @@ def _label(key: str) -> str:
         return {"evicted": "blocks evicted from HBM", "still_cached": "blocks still in HBM at the end"}.get(
             parts[1], key
         )
-    if parts[0] == "global_store":  # the unit of bytes and GB/s is in the value: not said twice
-        words = [w for w in "_".join(parts[1:]).split("_") if w not in ("bytes", "gbps")]
-        return "global store: " + " ".join(words)
-    return key.replace("_", " ")
+    if parts[0] == "global_store":
+        return "global store: " + words(".".join(parts[1:]))
+    return words(key)
+
+
+def words(key: str) -> str:
+    """A key in words, its unit left to the value (written in it: not said twice): 'kv_bytes_transferred' ->
+    'KV transferred', 'link_gbps' -> 'link bandwidth', 'cold_start_s' -> 'cold start'; dots become ': '."""
+    swap = {"bytes": None, "s": None, "gbps": "bandwidth", "kv": "KV", "ttft": "TTFT", "tpot": "TPOT"}
+    parts = []
+    for part in key.split("."):
+        ws = [w for w in (swap.get(w, w) for w in part.split("_")) if w]
+        ws = [w for i, w in enumerate(ws) if i == 0 or w != ws[i - 1]]  # bandwidth_gbps: one 'bandwidth'
+        parts.append(" ".join(ws) or part)
+    return ": ".join(parts)
 
 
 def _unit_key(key: str) -> str:
@@ -119,11 +132,21 @@ def engine_section(summary: dict) -> Section:
     for name in scenarios:
         per_point = {p["name"]: (p["engine"].get("scenarios") or {}).get(name) or {} for p in points}
         items += [f"Scenario {name}:", facts_table(per_point)]
+        # a scenario's lists of records (autoscale's instances), once for the points where they are the same
+        tables: dict[str, tuple[list[str], list]] = {}
         for point, scenario in per_point.items():
             for key, records in scenario.items():
                 if isinstance(records, list) and records and isinstance(records[0], dict):
-                    items.append(f"{name}: {key.replace('_', ' ')} ({point})")
-                    items.append(Table(list(records[0]), [[value_text(k, v) for k, v in r.items()] for r in records]))
+                    same = tables.get(json.dumps([key, records], sort_keys=True, default=str))
+                    if same:
+                        same[0].append(point)
+                    else:
+                        tables[json.dumps([key, records], sort_keys=True, default=str)] = ([point], [key, records])
+        for points_with, (key, records) in tables.values():
+            whose = "every point" if len(points_with) == len(per_point) else ", ".join(points_with)
+            items.append(f"{name}: {words(key)} ({whose})")
+            rows = [[value_text(k, v) for k, v in r.items()] for r in records]
+            items.append(Table([words(k) for k in records[0]], rows))
     return Section("Engine model", items)
 
 
