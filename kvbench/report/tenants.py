@@ -14,6 +14,7 @@ MAX_GROUPS = 30  # tenants (or workloads) per plot and table: beyond that a row 
 MAX_PANELS = 6  # small multiples per figure: two rows at full width
 FEW_GROUPS = 6  # up to this many groups, one table with a row per point and a column per group
 MAX_COLUMNS = 6  # points per table: with longer names (belady/21200blocks) wider tables overflow the page
+MAX_HEAT_PANELS = 12  # evictor × victim matrices drawn: every policy of a large sweep at one capacity
 MAX_HEAT = 12  # tenants named on a heat map's axes; the rest are summed into one 'other' row and column
 BREAKDOWNS = (
     ("by_tenant", "tenant", "tenant"),
@@ -138,12 +139,12 @@ def _dot_figure(groups: list[tuple[str, list[dict]]], key: str, names: list[str]
     # the capacities policies were compared at; the leftovers (Belady's bound-only capacities) in the tables
     swept = [g for g in groups if len({_series(p) for p in g[1]}) > 1]
     panels = (swept or groups)[:MAX_PANELS]
-    cols = min(len(panels), 3)
+    cols = _columns(len(panels))
     rows = -(-len(panels) // cols)
     height = 0.22 * len(names) + 1.4
     fig, axes = plt.subplots(
         rows, cols, figsize=(FULL_WIDTH if cols > 1 else SMALL_MULTIPLE * 2, height * rows), sharey=True,
-        squeeze=False,
+        squeeze=False, layout="constrained",
     )  # fmt: skip
     y = np.arange(len(names))
     seen: dict[str, object] = {}
@@ -171,13 +172,16 @@ def _dot_figure(groups: list[tuple[str, list[dict]]], key: str, names: list[str]
     axes[0][0].set_ylim(len(names) - 0.5, -0.5)  # largest group on top; rows keep their dodged dots inside
     for ax in axes[-1]:
         ax.set_xlabel("token hit rate (all requests)", fontsize=8)
-    fig.legend(seen.values(), seen.keys(), loc="upper center", ncol=min(len(seen), 6), fontsize=8,
-               bbox_to_anchor=(0.5, 1.0 + 0.3 / (height * rows)))  # fmt: skip
-    fig.tight_layout()
+    fig.legend(seen.values(), seen.keys(), loc="outside upper center", ncol=min(len(seen), 9), fontsize=8)
     more = " (the capacities policies were compared at; the tables below have every point)"
     more = more if len(groups) > len(panels) else ""
     per = "one panel per capacity, " if any("capacity_blocks" in p for _, g in panels for p in g) else ""
     return Figure(svg(fig), f"Token hit rate by {title}, {per}one colour per policy{more}")
+
+
+def _columns(panels: int) -> int:
+    """Panels per row: three at most, two for four panels (a 2 × 2 grid, not three and a lone one)."""
+    return 2 if panels == 4 else min(panels, 3)
 
 
 def _zero_tenants(p: dict) -> list[dict]:
@@ -248,7 +252,9 @@ def heat_maps(points: list[dict]) -> list:
         tracked = any((p.get("fairness") or {}).get("evictor_victim") for p in points)
         return ["No point evicted a block: the evictor × victim matrices are empty."] if tracked else []
     label, group = chosen_group(point_groups(have))
-    items: list = [_heat_figure(group[:MAX_PANELS], label)]
+    items: list = [_heat_figure(group[:MAX_HEAT_PANELS], label)]
+    if len(group) > MAX_HEAT_PANELS:
+        items.append(f"Heat maps of the first {MAX_HEAT_PANELS} of {len(group)} points at {label}; the table has all.")
     rows = []
     for p in have:
         m, names = _matrix(p)
@@ -302,7 +308,7 @@ def _heat_figure(group: list[dict], label: str) -> Figure:
     import matplotlib
     import matplotlib.pyplot as plt
 
-    cols = min(len(group), 3)
+    cols = _columns(len(group))
     rows = -(-len(group) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(FULL_WIDTH, 3.8 * rows), squeeze=False, layout="constrained")
     raw = [_matrix(p) for p in group]
