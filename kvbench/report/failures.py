@@ -22,15 +22,15 @@ UNSENT = ("not_sent", "cancelled")  # never sent: counted, but they are no failu
 
 
 def _outcomes(point: dict, rows: pa.Table | None) -> dict | None:
-    """The point's counts by outcome: summary.json's record for a live point, else counted from its rows
-    (engine-sim's rejected requests are 'error' rows too)."""
+    """The point's counts by outcome: summary.json's record for a live point, else counted from its rows (a
+    live run recorded before that record existed; engine-sim's rejected requests are 'error' rows too)."""
     if point.get("failures"):
         return point["failures"]
-    if rows is None or rows.num_rows == 0:
-        return None
+    if rows is None or rows.num_rows == 0 or rows.column("actual_send_s").null_count == rows.num_rows:
+        return None  # an offline point: nothing was sent
     status = rows.column("status").to_pylist()
     failed = sum(s not in ("ok", *UNSENT) for s in status)
-    if not failed:
+    if not failed and "engine" in point:
         return None  # a modeled point with nothing rejected: no failure to speak of
     sent = len(status) - sum(s in UNSENT for s in status)
     return {
