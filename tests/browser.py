@@ -36,7 +36,7 @@ _MEASURE_JS = """() => {
     const r = c.getBoundingClientRect();
     return {width: c.width, height: c.height, shown: r.width > 0 && r.height > 0};
   });
-  return {svg, canvas};
+  return {svg, canvas, width: document.documentElement.scrollWidth};
 }"""
 
 
@@ -53,6 +53,7 @@ class PageCheck:
     svg_nonempty: int = 0
     canvas_total: int = 0
     canvas_nonempty: int = 0
+    page_width: int = 0  # the document's scroll width: wider than the window means a horizontal scroll bar
     screenshot: Path | None = None
 
     @property
@@ -68,7 +69,7 @@ class PageCheck:
     def __str__(self) -> str:
         lines = [
             f"{self.url}: title {self.title!r}, svg {self.svg_nonempty}/{self.svg_total} non-empty, "
-            f"canvas {self.canvas_nonempty}/{self.canvas_total} non-empty"
+            f"canvas {self.canvas_nonempty}/{self.canvas_total} non-empty, {self.page_width} px wide"
         ]
         lines += [f"  {p}" for p in self.problems] + [f"  console warning: {m}" for m in self.console_warnings]
         return "\n".join(lines)
@@ -119,6 +120,7 @@ def _check_one(browser, html_path, screenshot: Path | None) -> PageCheck:
         )
         result.canvas_total = len(found["canvas"])
         result.canvas_nonempty = sum(c["width"] > 0 and c["height"] > 0 and c["shown"] for c in found["canvas"])
+        result.page_width = found["width"]
         if screenshot is not None:
             result.screenshot = capture(page, screenshot)
     finally:

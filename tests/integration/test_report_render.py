@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.live.fakeserver import FakeServer, fault_plan
+from kvbench.report.screenshot import WIDTH
 from kvbench.run.runner import run_replay
 
 from ..browser import browser_required, check_pages, points_missing_by_section, table_rows  # noqa: F401  (fixture)
@@ -38,6 +39,7 @@ KNOWN_INCOMPLETE: dict[str, str] = {}
 
 def assert_renders_cleanly(check):
     assert check.title.strip(), f"no <title>\n{check}"
+    assert 0 < check.page_width, f"nothing laid out\n{check}"
     assert not check.problems, str(check)
     assert check.svg_total >= 1, f"no plot\n{check}"
     assert check.svg_nonempty == check.svg_total, f"an empty plot\n{check}"
@@ -113,6 +115,7 @@ def test_run_report_renders_and_is_pictured(runs, shots, kind):
     run = _run(runs, kind)
     (check,) = check_pages([(run / "report.html", shots.folder / f"{kind}.png")])
     assert_renders_cleanly(check)
+    assert check.page_width <= WIDTH, f"wider than the window: a horizontal scroll bar\n{check}"
     assert_is_a_picture(shots(check.screenshot))
 
 
@@ -244,7 +247,7 @@ def test_the_check_sees_what_is_wrong(tmp_path):
         "<!doctype html><html><head><script src='http://127.0.0.1:9/plot.js'></script></head><body>"
         "<svg width='100' height='50'><path d='M0 0L100 50' stroke='black'/></svg>"
         "<svg width='100' height='50'><defs><path id='p' d='M0 0L9 9'/></defs></svg>"
-        "<canvas width='0' height='0'></canvas>"
+        "<canvas width='0' height='0'></canvas><div style='width: 3000px'>a table too wide</div>"
         "<script>console.error('boom'); console.warn('hmm'); null.x;</script></body></html>"
     )
     (check,) = check_pages([(page, None)])
@@ -254,26 +257,41 @@ def test_the_check_sees_what_is_wrong(tmp_path):
     assert [r.split(": ")[0] for r in check.failed_requests] == ["http://127.0.0.1:9/plot.js"]
     assert (check.svg_total, check.svg_nonempty, check.canvas_total, check.canvas_nonempty) == (2, 1, 1, 0)
     assert len(check.problems) >= 3
+    assert check.page_width >= 3000  # the default window is narrower: a horizontal scroll bar
 
 
-def test_demo_index_and_every_demo_report_render(tmp_path, shots):
-    """The demo (small traces, offline): the index shows every workload's curves, each run's report renders."""
-    from kvbench.run.demo import demo_backends, run_demo
-    from kvbench.trace import generators
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, shots):
+    """The demo (small traces, offline), every page checked in one browser: (its run reports, their checks).
+    The index and the multi-tenant workload's reports (the longest) are pictured."""
+    from kvbench.run.demo import run_demo
 
-    demo = run_demo(tmp_path / "demo", n=200, step=lambda _: None)
-    reports = sorted(demo.out.glob("runs/*/report.html"))
-    assert len(reports) == len(generators.registry()) * len(demo_backends())
-    # every page in one browser; the index and the multi-tenant workload's reports (the longest) are pictured
-    wanted = [(demo.out / "index.html", shots.folder / "demo-index.png")]
+    made = run_demo(tmp_path_factory.mktemp("demo") / "demo", n=200, step=lambda _: None)
+    reports = sorted(made.out.glob("runs/*/report.html"))
+    wanted = [(made.out / "index.html", shots.folder / "demo-index.png")]
     wanted += [
         (r, shots.folder / f"demo-{r.parent.name}.png" if r.parent.name.startswith("multi-tenant-") else None)
         for r in reports
     ]
-    for check in check_pages(wanted):
+    return reports, check_pages(wanted)
+
+
+def test_demo_index_and_every_demo_report_render(demo, shots):
+    from kvbench.run.demo import demo_backends
+    from kvbench.trace import generators
+
+    reports, checks = demo
+    assert len(reports) == len(generators.registry()) * len(demo_backends())
+    for check in checks:
         assert_renders_cleanly(check)
         if check.screenshot is not None:
             assert_is_a_picture(shots(check.screenshot))
     # the demo's grids have the most points (multi-tenant: every policy × capacity, and the bounds)
     missing = {r.parent.name: _missing_points(r.parent, known=False) for r in reports}
     assert not {run: m for run, m in missing.items() if m}, f"per-point sections that leave points out: {missing}"
+
+
+def test_demo_pages_fit_the_window(demo):
+    _, checks = demo
+    too_wide = [str(c) for c in checks if c.page_width > WIDTH]
+    assert not too_wide, "wider than the window (a horizontal scroll bar):\n" + "\n".join(too_wide)
