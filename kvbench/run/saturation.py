@@ -21,6 +21,8 @@ MIN_REQUESTS = 8  # fewer timed requests than this give no trend worth a verdict
 MAX_BINS = 20  # bins of the run, in schedule order, whose median delays are compared
 MIN_PER_BIN = 5  # ... each holding at least this many requests (when the run has them), so a median is stable
 FLOOR_S = 0.05  # growth below this is noise in any deployment (a scheduler tick, a network round trip)
+RATE_SHARE = 0.5  # taken up at under half the offered rate: saturated, whatever the median request saw
+CENTRAL = 0.9  # rates are taken over the middle 90% of their events' times
 SPAN_SHARE = 0.1  # growth past this share of the run's length counts even below a service time
 SETTLED = 0.25  # a bin is back "at the early level" when its median is within this share of the threshold
 
@@ -93,22 +95,17 @@ def _one(columns: Mapping[str, object], input_tokens, origin: float) -> dict:
         delay = np.where(timed_out, np.nanmax(delay), delay)
 
     valid = np.isfinite(scheduled)
-    t0, t1 = float(scheduled[valid].min()), float(scheduled[valid].max())
-    span = t1 - t0
-    offered_rps = int(valid.sum()) / span if span > 0 else None
+    offered_rps = _per_second(scheduled[valid])
     tokens = None if input_tokens is None else np.asarray(input_tokens, dtype=np.float64)
-    offered_tps = float(tokens[valid].sum()) / span if span > 0 and tokens is not None else None
+    offered_tps = _per_second(scheduled[valid], tokens[valid]) if tokens is not None else None
     # Served: requests the deployment took up (admitted by the scheduler; first token on a live server) per
-    # second, over the schedule's window shifted by an early request's delay. A deployment that keeps up takes
-    # up what arrives right away (served = offered); a saturated one at its capacity, which in steady state is
-    # also the rate it completes requests. Completions themselves would not do: a request decoding for an hour
-    # completes long after the window whether or not anything queued.
-    taken = scheduled + delay
-    first = np.argsort(np.where(valid, scheduled, np.inf), kind="stable")[: max(1, n // 4)]
-    early = delay[first][np.isfinite(delay[first])]
-    shift = float(np.median(early)) if early.size else 0.0
-    in_window = ok & (taken >= t0 + shift) & (taken <= t1 + shift)
-    served_rps = int(in_window.sum()) / span if span > 0 else None
+    # second, counted as the offered rate is (`_per_second`) but over the take-up times. A
+    # deployment that keeps up takes up what arrives right away (served = offered); a saturated one works
+    # through the backlog at its capacity, which in steady state is also the rate it completes requests.
+    # Completions would not do: a request decoding for an hour completes long after the others whether or not
+    # anything queued.
+    taken = (scheduled + delay)[ok & np.isfinite(delay)]
+    served_rps = _per_second(taken)
     out = {
         "saturated": False,
         "from_s": None,
@@ -166,6 +163,20 @@ def _verdict(out: dict, t: np.ndarray, delay: np.ndarray, e2el: np.ndarray) -> d
             f"queueing delay grew from {_s(early)} early in the run to {_s(late)} in its last quarter and "
             f"did not recover (growth counts past {_s(threshold)})"
         )
+    elif _falls_behind(out):
+        # The median request was taken up at once, yet requests were taken up at under half the rate they
+        # came: a minority (one workload's pool, requests preempted and re-queued) waits ever longer. Its
+        # start is read from each bin's slowest tenth the way the median's is read above.
+        tails = np.array([float(np.quantile(delay[a:b], 0.9)) for a, b in zip(edges[:-1], edges[1:])])
+        settled = np.nonzero(tails <= float(np.median(tails[:quarter])) + SETTLED * threshold)[0]
+        first = int(settled[-1]) + 1 if settled.size else 0
+        out.update(saturated=True, from_s=starts[min(first, n_bins - 1)])
+        out["bins"]["p90_delay_s"] = tails.tolist()
+        out["why"] = (
+            f"requests were taken up at {_rate(out['served_rps'])}, under {RATE_SHARE:.0%} of the "
+            f"{_rate(out['offered_rps'])} offered: the median request did not queue, but the slowest tenth waited "
+            f"{_s(float(tails[-1]))} by the end"
+        )
     elif growth > threshold:
         out["why"] = (
             f"queueing delay grew from {_s(early)} to {_s(late)} in the last quarter but was back near its "
@@ -177,6 +188,24 @@ def _verdict(out: dict, t: np.ndarray, delay: np.ndarray, e2el: np.ndarray) -> d
             f"growth counts past {_s(threshold)})"
         )
     return out
+
+
+def _falls_behind(out: dict) -> bool:
+    served, offered = out["served_rps"], out["offered_rps"]
+    return served is not None and offered is not None and served < RATE_SHARE * offered
+
+
+def _per_second(times: np.ndarray, weights: np.ndarray | None = None) -> float | None:
+    """Events (or `weights`: their tokens) per second over the central CENTRAL share of `times`: a few
+    stragglers (a request admitted an hour late, one sent long after the rest) would otherwise stretch the span
+    and halve a rate that held for all the others. Small sets use their whole span."""
+    weights = np.ones(times.size) if weights is None else weights
+    if times.size < 20:
+        lo, hi = (float(times.min()), float(times.max())) if times.size else (0.0, 0.0)
+    else:
+        lo, hi = (float(x) for x in np.quantile(times, [(1 - CENTRAL) / 2, (1 + CENTRAL) / 2]))
+    inside = (times >= lo) & (times <= hi)
+    return float(weights[inside].sum()) / (hi - lo) if hi > lo else None
 
 
 def describe(verdict: dict | None) -> str | None:
