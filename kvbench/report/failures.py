@@ -30,8 +30,6 @@ def _outcomes(point: dict, rows: pa.Table | None) -> dict | None:
         return None  # an offline point: nothing was sent
     status = rows.column("status").to_pylist()
     failed = sum(s not in ("ok", *UNSENT) for s in status)
-    if not failed and "engine" in point:
-        return None  # a modeled point with nothing rejected: no failure to speak of
     sent = len(status) - sum(s in UNSENT for s in status)
     return {
         "requests": len(status),
@@ -152,6 +150,8 @@ def failure_section(summary: dict, requests: pa.Table | None) -> Section:
                 class_rows.append([p["name"], e["error"], plain(e["count"]), pct(e["count"] / f["failed"]), "–", "–"])
     if not table_rows:
         return Section("Requests and failures")
+    if not n_failed and all("engine" in p for p in summary["points"]):
+        return Section("Requests and failures")  # a model that rejected nothing: no failure to speak of
     if not n_failed:
         line = f"No failures: every one of the {plain(sent)} requests sent was answered"
         line += f" ({plain(unsent)} more were never sent)." if unsent else "."
