@@ -30,7 +30,8 @@ def saturation_section(summary: dict) -> Section:
     ]
     items: list = [
         "Saturated: the queueing delay (time from a request's scheduled send to its admission, or to its first "
-        "token on a live server) kept growing to the end of the run, past an early request's service time. "
+        "token on a live server) kept growing to the end of the run, past an early request's service time, or "
+        "requests were taken up at under half the rate they were offered while the median one did not queue. "
         "Latency percentiles of a saturated point grow with the trace's length and describe the queue, not the "
         "deployment. Served: requests taken up (admitted; first token on a live server) per second over the "
         "schedule's window.",
@@ -93,7 +94,9 @@ def _plot(points: list[dict]) -> str:
     colours = point_colours(points)
     span = max(max(p["saturation"]["bins"]["start_s"]) for p in points) or 1.0
     t_div, t_unit = time_axis(span)
-    peak = max(max(p["saturation"]["bins"]["median_delay_s"]) for p in points)
+    peak = max(
+        max(p["saturation"]["bins"].get("p90_delay_s") or p["saturation"]["bins"]["median_delay_s"]) for p in points
+    )
     d_div, d_unit = (1e-3, "ms") if peak < 1.0 else time_axis(peak)
     fig, ax = plt.subplots(figsize=(FULL_WIDTH, PLOT_HEIGHT))
     for p in points:
@@ -101,6 +104,9 @@ def _plot(points: list[dict]) -> str:
         t = [x / t_div for x in v["bins"]["start_s"]]
         ax.step(t, [d / d_div for d in v["bins"]["median_delay_s"]], where="post", color=colours[p["name"]],
                 label=p["name"])  # fmt: skip
+        if v["bins"].get("p90_delay_s"):  # saturated by its slowest tenth: draw that beside the median
+            ax.step(t, [d / d_div for d in v["bins"]["p90_delay_s"]], where="post", color=colours[p["name"]],
+                    linestyle="--", label=f"{p['name']}, slowest tenth (p90)")  # fmt: skip
         ax.axvline(v["from_s"] / t_div, color=colours[p["name"]], linestyle=":", linewidth=1)
     ax.set_xlabel(f"scheduled send ({t_unit} from the first request)")
     ax.set_ylabel(f"median delay ({d_unit})")

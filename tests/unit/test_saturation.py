@@ -54,6 +54,15 @@ def test_the_same_requests_squeezed_into_a_fiftieth_of_the_time_saturate_it(tmp_
     assert v["late_delay_s"] > v["early_delay_s"] + v["queue_growth_s"] / 2
     assert v["offered_input_tps"] > 0 and "did not recover" in v["why"]
     assert describe(v).startswith("saturated from t = ") and "served" in describe(v)
+    # the report's section: one row, its verdict and rates in units, and the delay plot of a saturated point
+    from kvbench.report.page import Figure, Table
+    from kvbench.report.saturation import saturation_section
+
+    section = saturation_section({"points": [point]})
+    (table,) = [i for i in section.items if isinstance(i, Table)]
+    assert table.rows[0][:2] == [point["name"], "saturated"] and table.rows[0][3].endswith(" req/s")
+    assert any(isinstance(i, Figure) and "<svg" in i.svg for i in section.items)
+    assert saturation_section({"points": [{"name": "lru/1000blocks"}]}).items == []
     # the deployment the roofline sizes for this load (demo_options) has more instances, and keeps up
     from kvbench.run.plugins import load_backend
 
