@@ -166,12 +166,7 @@ def _failed_shown(md: str) -> dict[str, int]:
     return shown
 
 
-OFFLINE_FAILURES = pytest.mark.xfail(
-    strict=False, reason="Requests and failures: every request of a sim run is shown as failed (error class unknown)"
-)
-
-
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=OFFLINE_FAILURES) if k == "sim" else k for k in RUN_KINDS])
+@pytest.mark.parametrize("kind", RUN_KINDS)
 def test_failure_counts_are_those_of_summary_json(runs, kind):
     """A report never shows more (or fewer) failed requests than summary.json records; an offline backend
     answers every request, so its points record none."""
