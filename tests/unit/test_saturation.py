@@ -155,3 +155,17 @@ def test_the_live_demo_cuts_every_workload_to_the_engine_context_keeping_shared_
             assert cut == 40
             firsts = [h[0] for h in after]
             assert len(set(firsts)) < len(firsts)  # requests still share leading blocks
+
+
+def test_the_terminal_says_saturated_from_when_with_both_rates(capsys):
+    from kvbench.cli.replay import _print_points
+
+    n = 200
+    t = np.linspace(0, 1000, n)
+    queue = np.where(t < 500, 0.0, (t - 500) * 3.0)
+    cols = {"scheduled_send_s": t, "actual_send_s": t, "queue_s": queue, "e2el_s": queue + 1.0, "status": ["ok"] * n}
+    point = {"name": "vllm/1instances", "hit_rate": {"token": {"all": 0.5, "steady": 0.5}}}
+    _print_points({"points": [{**point, "saturation": saturation(cols)}, point], "curves": []})
+    lines = capsys.readouterr().out.splitlines()
+    (load,) = [line for line in lines if line.strip().startswith("load:")]  # the point without timing: none
+    assert "load: saturated from t = " in load and " s: offered " in load and "req/s, served " in load
