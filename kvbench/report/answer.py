@@ -164,7 +164,8 @@ def _saturation(point: dict) -> str:
     if not s.get("saturated"):
         return "no"
     since = s.get("from_s")
-    return "saturated" + ("" if since is None else f" from t = {duration(since)}")
+    limit = f", {s['client_limit']} in flight at most" if s.get("client_limit") else ""
+    return "saturated" + ("" if since is None else f" from t = {duration(since)}") + limit
 
 
 def timed_items(summary: dict) -> list:

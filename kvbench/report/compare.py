@@ -12,7 +12,7 @@ import numpy as np
 from kvbench.report.fidelity import TITLE as MODEL_TITLE
 from kvbench.report.fidelity import FidelityTable, explanation, html_ready
 from kvbench.report.page import Figure, Links, Section, Table, pct, render_html, render_markdown, svg
-from kvbench.report.style import duration
+from kvbench.report.style import colour, duration, line_style, log_ticks
 from kvbench.run.comparison import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
 
 NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
@@ -20,9 +20,16 @@ CDF_POINTS = 400  # an SVG line of every request would make the page megabytes l
 MAX_BARS = 60
 
 
+RATES = ("hit rate", "steady", "hit rate predicted", "hit rate measured")  # fractions, shown as run reports do
+
+
 def _cell(key, value) -> str:
     if value is None:
         return "–"
+    if key in RATES and isinstance(value, float):
+        return pct(value)
+    if key == "gap" and isinstance(value, float):
+        return f"{100 * value:+.2f} points"
     if isinstance(value, float):
         return FORMATS.get(key, "{:.4f}").format(value)
     return str(value)
@@ -82,20 +89,37 @@ def _latency_sections(result: dict) -> list[Section]:
     return out
 
 
+def _hits_only(table: dict) -> bool:
+    """A model that predicts cache hits and no latency (sim): only its cached tokens can be compared."""
+    overall = table["overall"]
+    return not any((overall.get(m) or {}).get("requests") for m in ("ttft", "tpot", "e2el"))
+
+
 def _model_sections(result: dict) -> list[Section]:
-    """One section: the explanation once, then per modeled point its error table against the live run, or
-    the one line saying why it could not be compared."""
+    """One section: the explanation once, then per latency-modeling point its error table against the live
+    run, the hit-only points (sim) together in one table, and the one line saying why a run was not compared."""
     entries = result.get("model_vs_measurement") or []
     if not entries:
         return []
     tables = [e for e in entries if "table" in e]
     items: list = [explanation(tables[0]["table"]["skipped_first"])] if tables else []
+    hits = [e for e in tables if _hits_only(e["table"])]
+    if hits:
+        rows = []
+        for e in hits:
+            c = e["table"]["overall"].get("cached_tokens") or {}
+            exact = f"{c['exact']:,} of {c['requests']:,} ({pct(c['exact_share'])})" if c.get("requests") else "–"
+            ratio = f"{c['modeled'] / c['measured']:.3f}" if c.get("measured") else "–"
+            rows.append([e["modeled"], exact, f"{c.get('modeled', 0):,}", f"{c.get('measured', 0):,}", ratio])
+        header = ["modeled point", "requests with cached tokens exact", "modeled cached tokens",
+                  "measured cached tokens", "modeled / measured"]  # fmt: skip
+        items += [f"Hit-rate models (no latency modeled) against {hits[0]['measured']}:", Table(header, rows)]
     for e in entries:
-        if "table" in e:
+        if "table" in e and not _hits_only(e["table"]):
             items += [f"{e['modeled']} ({e['backend']}) against {e['measured']}:", FidelityTable.of(e["table"])]
-        elif "modeled" in e:
+        elif "modeled" in e and "table" not in e:
             items.append(f"{e['modeled']} not compared with {e['measured']}: {e['note']}")
-        else:
+        elif "table" not in e:
             items.append(e["note"])
     return [Section(MODEL_TITLE, items)]
 
@@ -135,7 +159,7 @@ def _hit_rate_figure(cmp: Comparison) -> Figure | None:
         return None
     bars = rows[:MAX_BARS][::-1]
     backends = list(dict.fromkeys(r["backend"] for r in bars))
-    colours = {b: f"C{i}" for i, b in enumerate(backends)}
+    colours = {b: colour(b) for b in backends}
     fig, ax = plt.subplots(figsize=(8, 0.28 * len(bars) + 1))
     ax.barh([f"{r['run']}:{r['point']}" for r in bars], [r["hit rate"] for r in bars],
             color=[colours[r["backend"]] for r in bars])  # fmt: skip
@@ -168,11 +192,18 @@ def _capacity_figure(cmp: Comparison) -> Figure | None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, hr in measured:
         ax.axhline(hr, color="grey", linestyle=":", label=label)
+    groups = list(dict.fromkeys(g for g, _ in lines))
+    dashes = ("-", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))  # one per run group; colour is the policy's
     for (group, policy), pts in sorted(lines.items()):
         caps = sorted(pts)
-        style = "--" if policy == "belady" else "-"
-        ax.plot(caps, [pts[c] for c in caps], style, marker="o", markersize=3, label=f"{group}: {policy}")
+        style = (
+            line_style(policy)
+            if policy == "belady"
+            else {**line_style(policy), "linestyle": dashes[groups.index(group) % len(dashes)]}
+        )
+        ax.plot(caps, [pts[c] for c in caps], marker="o", markersize=3, label=f"{group}: {policy}", **style)
     ax.set_xscale("log")
+    log_ticks(ax)
     ax.set_xlabel("capacity (blocks)")
     ax.set_ylabel("token hit rate (steady state)")
     ax.grid(alpha=0.3)
@@ -201,6 +232,11 @@ def _signed(ms: float) -> str:
     return ("+" if ms >= 0 else "−") + duration(abs(ms) / 1000)
 
 
+def _is_bound(point: str) -> bool:
+    """Belady's points: the offline optimum, a bound to compare with, never a choice to recommend."""
+    return point.rsplit(":", 1)[-1].startswith("belady/")
+
+
 def answer_section(result: dict) -> Section:
     """What differs, said the way a person would: per compared run, which metrics moved beyond the bootstrap
     noise at p50 or p99 and which way; the best hit rate; how close the predictions came to the measurement."""
@@ -218,11 +254,11 @@ def answer_section(result: dict) -> Section:
         said += [f"faster {' and '.join(faster)}"] if faster else []
         noise = f"; {same} other p50/p99 within noise" if same else ""
         items.append(f"Against {base}, {name} has {', '.join(said)}{noise}.")
-    rated = [r for r in result.get("runs") or [] if r.get("hit rate") is not None]
+    rated = [r for r in result.get("runs") or [] if r.get("hit rate") is not None and not _is_bound(r["point"])]
     if len(rated) > 1:
         best = max(rated, key=lambda r: r["hit rate"])
         items.append(f"Highest token hit rate in the table: {best['run']}:{best['point']} ({pct(best['hit rate'])}).")
-    gaps = [r for r in result.get("fidelity") or [] if r.get("gap") is not None]
+    gaps = [r for r in result.get("fidelity") or [] if r.get("gap") is not None and not _is_bound(r["predicted"])]
     if gaps:
         close, far = min(gaps, key=lambda r: abs(r["gap"])), max(gaps, key=lambda r: abs(r["gap"]))
         items.append(

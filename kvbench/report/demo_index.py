@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from kvbench.report.page import Figure, Links, Section, Table, num, pct, render_html, render_markdown, svg
+from kvbench.report.style import INFINITE_STYLE, line_style, log_ticks
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -60,14 +61,15 @@ def _curves(demo) -> str | None:
         for p in run.summary["points"]:
             if "capacity_blocks" in p:
                 by_policy.setdefault(p["policy"], []).append((p["capacity_blocks"], p["hit_rate"]["token"]["steady"]))
-        for c in run.summary.get("curves") or []:
-            ax.plot(c["capacity_blocks"], c["token_steady"], color="lightgrey", label=f"{c['policy']} curve")
+        for c in run.summary.get("curves") or []:  # the policy's colour, lighter: the curve behind its points
+            ax.plot(c["capacity_blocks"], c["token_steady"], alpha=0.35, label=f"{c['policy']} curve",
+                    **line_style(c["policy"]))  # fmt: skip
         for name, pts in sorted(by_policy.items()):
             pts.sort()
-            style = dict(color="black", linestyle="--") if name == "belady" else {}
-            ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", markersize=3, label=name, **style)
-        ax.axhline(run.summary["infinite_cache"]["token"]["steady"], color="grey", linestyle=":", label="infinite")
+            ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", markersize=3, label=name, **line_style(name))
+        ax.axhline(run.summary["infinite_cache"]["token"]["steady"], label="infinite", **INFINITE_STYLE)
         ax.set_xscale("log")
+        log_ticks(ax)
         ax.set_title(f"{run.workload} ({run.backend})", fontsize=10)
         ax.set_xlabel("capacity (blocks)", fontsize=8)
         ax.set_ylabel("steady token hit rate", fontsize=8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 from dataclasses import dataclass, field
 
 
@@ -37,6 +38,7 @@ STYLE = (
     "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
     "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#f4f4f4}"
     "figure{margin:.5em 0}figcaption{font-size:12px;color:#555}svg{max-width:100%;height:auto}"
+    "td.t{text-align:left}td:first-child{white-space:nowrap}"
     "h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}"
     "nav a{margin-right:1em}.note{color:#555;font-size:13px}"
 )
@@ -60,10 +62,20 @@ def _anchor(title: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in title.lower()).strip("-")
 
 
+_FIGURE = re.compile(r"^[\s+−\-–~≈<>≤≥$]*[\d.,]")  # a cell that starts like a number: aligned right to compare
+
+
+def _td(cell) -> str:
+    """A table cell: figures right-aligned (digits under digits), prose such as an error message left-aligned."""
+    text = str(cell)
+    words = len(text) > 1 and not _FIGURE.match(text) and text not in ("yes", "no", "n/a")
+    return f"<td class='t'>{html.escape(text)}</td>" if words else f"<td>{html.escape(text)}</td>"
+
+
 def _html_item(item) -> str:
     if isinstance(item, Table):
         head = "".join(f"<th>{html.escape(h)}</th>" for h in item.header)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in item.rows)
+        body = "".join("<tr>" + "".join(_td(c) for c in row) + "</tr>" for row in item.rows)
         return f"<table><tr>{head}</tr>{body}</table>"
     if isinstance(item, Figure):
         return f"<figure>{item.svg}<figcaption>{html.escape(item.caption)}</figcaption></figure>"

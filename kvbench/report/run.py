@@ -11,6 +11,7 @@ from kvbench.report.answer import answer_section
 from kvbench.report.failures import failure_section
 from kvbench.report.hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
 from kvbench.report.page import Section, Table, render_html, render_markdown
+from kvbench.report.saturation import saturation_section
 from kvbench.report.serving import engine_section, server_section
 from kvbench.report.style import plain
 from kvbench.report.timing import latency_sections, timeline_section
@@ -114,6 +115,7 @@ def sections(
     out += breakdown_sections(summary)
     out.append(fairness_section(summary))
     if point is not None:  # the serving sections cover every point; the trace views, the first point's
+        out.append(saturation_section(summary))
         out.append(failure_section(summary, requests))
         out += latency_sections(summary, requests)
         out.append(server_section(summary))

@@ -280,6 +280,13 @@ def _live_saturation(run_dir: Path, summary: dict) -> None:
             cols = {k: mine.column(k).to_numpy(zero_copy_only=False) for k in LIVE_TIMING[1:6]}
             tokens = mine.column("input_tokens").to_numpy(zero_copy_only=False)
             verdict = saturation(cols, tokens, mine.column("workload").to_pylist())
+            limit = ((summary.get("config") or {}).get("pacing") or {}).get("max_concurrency")
+            if verdict is not None and verdict["saturated"] and limit:
+                # the queue may be the client's own: with at most `limit` requests in flight, a schedule faster
+                # than the deployment answers them waits in the client, which says so rather than blame the server
+                verdict["client_limit"] = limit
+                held = f" (at most {limit} in flight: --max-concurrency holds the rest in the client)"
+                verdict["why"] = verdict.get("why", "") + held
             if verdict is not None:
                 point["saturation"] = verdict
 
