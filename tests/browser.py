@@ -36,7 +36,14 @@ _MEASURE_JS = """() => {
     const r = c.getBoundingClientRect();
     return {width: c.width, height: c.height, shown: r.width > 0 && r.height > 0};
   });
-  return {svg, canvas, width: document.documentElement.scrollWidth};
+  // the tables of the Answer section, as the reader sees them (cell texts), for checks against summary.json
+  const answer = [];
+  const head = document.getElementById('answer');
+  for (let el = head && head.nextElementSibling; el && el.tagName !== 'H2'; el = el.nextElementSibling) {
+    const tables = el.tagName === 'TABLE' ? [el] : [...el.querySelectorAll('table')];
+    for (const t of tables) answer.push([...t.rows].map(r => [...r.cells].map(c => c.innerText.trim())));
+  }
+  return {svg, canvas, width: document.documentElement.scrollWidth, answer};
 }"""
 
 
@@ -54,6 +61,7 @@ class PageCheck:
     canvas_total: int = 0
     canvas_nonempty: int = 0
     page_width: int = 0  # the document's scroll width: wider than the window means a horizontal scroll bar
+    answer: list = field(default_factory=list)  # the Answer section's tables as shown: [table][row][cell] texts
     screenshot: Path | None = None
 
     @property
@@ -121,6 +129,7 @@ def _check_one(browser, html_path, screenshot: Path | None) -> PageCheck:
         result.canvas_total = len(found["canvas"])
         result.canvas_nonempty = sum(c["width"] > 0 and c["height"] > 0 and c["shown"] for c in found["canvas"])
         result.page_width = found["width"]
+        result.answer = found["answer"]
         if screenshot is not None:
             result.screenshot = capture(page, screenshot)
     finally:

@@ -164,6 +164,16 @@ def server_section(summary: dict) -> Section:
         "Deltas of the engine's /metrics counters over the run beside the sums of what each response reported; "
         "they are reported separately and flagged when they differ by more than 1 %."
     )
+    disagree = [p for p in points if not all(c["agree"] for c in p["server_counters"].get("checks", {}).values())]
+    unanswered = sum(((p.get("failures") or {}).get("failed") or 0) for p in disagree)
+    if disagree:  # say why a NO is expected, or that it is not
+        note += (
+            f" Here {unanswered:,} requests failed or were cut: the server counted their prompts, but no answer "
+            "reported them, so the sums fall short of the deltas by about those prompts."
+            if unanswered
+            else " No request failed, so a NO means the server counted traffic kvbench did not send (another "
+            "client on the same server during the run) or reported usage that its counters do not match."
+        )
     header = ["point", "counter", "sum over responses", "server delta", "agree"]
     if len(points) == 1:  # one point: its name adds nothing to every row
         header, rows = header[1:], [r[1:] for r in rows]

@@ -290,3 +290,47 @@ def test_demo_pages_fit_the_window(demo):
     _, checks = demo
     too_wide = [str(c) for c in checks if c.page_width > WIDTH]
     assert not too_wide, "wider than the window (a horizontal scroll bar):\n" + "\n".join(too_wide)
+
+
+def _figure(text: str) -> float:
+    """A figure as the page shows it ('67.95%', '1,234', '3.21') as a number (a percentage as a fraction)."""
+    value = float(re.sub(r"[^\d.\-]", "", text.split(" ")[0]))
+    return value / 100 if text.split(" ")[0].endswith("%") else value
+
+
+@pytest.mark.parametrize("kind", RUN_KINDS)
+def test_the_answer_shows_what_summary_json_says(runs, kind):
+    """The Answer's table as the browser shows it, cell by cell against summary.json: per capacity the best
+    policy and its steady hit rate beside Belady's (offline), per point the throughput, the failures and the
+    saturation verdict (timed runs)."""
+    run = _run(runs, kind)
+    summary = json.loads((run / "summary.json").read_text())
+    (check,) = check_pages([(run / "report.html", None)])
+    assert check.answer, f"no table in the Answer section\n{check}"
+    header, *body = check.answer[-1]
+    timed = [p for p in summary["points"] if p.get("latency")]
+    if not timed:
+        swept = {p["capacity_blocks"] for p in summary["points"] if p.get("policy") not in (None, "belady")}
+        assert len(body) == len(swept)
+        for row in body:
+            cap = int(row[0].split(" blocks")[0].replace(",", ""))
+            at = [p for p in summary["points"] if p.get("capacity_blocks") == cap]
+            steady = {p["policy"]: p["hit_rate"]["token"]["steady"] for p in at}
+            best = max((k for k in steady if k != "belady"), key=steady.get)
+            assert row[1] == best and _figure(row[2]) == pytest.approx(steady[best], abs=5e-5)
+            if "belady" in steady:
+                assert _figure(row[3]) == pytest.approx(steady["belady"], abs=5e-5)
+        return
+    assert [r[0] for r in body] == [p["name"] for p in timed]
+    for row, p in zip(body, timed):
+        cell = dict(zip(header, row))
+        assert _figure(cell["requests/s"]) == pytest.approx(p["latency"]["request_throughput"], rel=5e-3)
+        if "failed" in header:
+            failed = (p.get("failures") or {}).get("failed", 0)
+            assert cell["failed"] == "none" if failed == 0 else _figure(cell["failed"]) == failed
+        verdict = p.get("saturation")
+        assert (
+            cell["saturated"] == "not assessed"
+            if verdict is None
+            else (cell["saturated"].startswith("saturated") == verdict["saturated"])
+        )
