@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 from kvbench.live.latency import PERCENTILES
 from kvbench.report.page import Figure, Section, Table, pct, svg
-from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, duration, plain, time_axis
+from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, duration, log_ticks, plain, time_axis
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("ttfo", "TTFO"))
 CDF_POINTS = 400  # quantiles drawn per CDF: enough for a smooth line, bounded for millions of requests
@@ -313,46 +313,82 @@ def _serving_timeline(summary: dict, requests: pa.Table) -> Section:
     return Section("Timeline", [Figure(svg(fig), caption)])
 
 
+MAX_TIMELINE_POINTS = 12  # hit-rate lines of an offline timeline; more tangle (the table above has them all)
+_CAPACITY_DASHES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)))  # one per capacity; colour: the policy
+
+
 def timeline_section(summary: dict, requests: pa.Table | None, trace: pa.Table | None) -> Section:
     """Request rate, latency and KV occupancy against time. Live and modeled runs: send times, TTFT and the
     engine's KV usage (polled during a live run, modeled by engine-sim), for every point. Offline runs: trace
-    arrival times, the first point's hit rate, and the working set (distinct blocks seen so far) against its
-    capacity: a policy that inserts every miss and evicts only when full holds the smaller of the two."""
-    import matplotlib.pyplot as plt
-
+    arrival times, every point's hit rate per stretch of time, and the working set (distinct blocks seen so
+    far) against the capacities: a policy that inserts every miss and evicts only when full holds the smaller
+    of the two."""
     if requests is None or requests.num_rows == 0 or not summary.get("points"):
         return Section("Timeline")
     if requests.column("actual_send_s").null_count < requests.num_rows:
         return _serving_timeline(summary, requests)
-    point = summary["points"][0]
     if trace is None or "arrival_s" not in trace.column_names:
         return Section("Timeline")
-    rows = requests.filter(pc.equal(requests.column("point"), point["name"]))
-    rows = rows.select(["request_id", "input_tokens", "hit_tokens"]).join(_working_set(trace), "request_id")
-    t = rows.column("arrival_s").to_numpy(zero_copy_only=False)
+    return _offline_timeline(summary, requests, _working_set(trace))
+
+
+def _timeline_points(summary: dict) -> list[dict]:
+    """The points an offline timeline draws: the policies at the capacities they were compared at first (not
+    Belady's extra bound-only capacities), at most MAX_TIMELINE_POINTS."""
+    swept = {p["capacity_blocks"] for p in summary["points"] if p.get("policy") not in (None, "belady")}
+    first = [p for p in summary["points"] if p.get("capacity_blocks") in swept or "capacity_blocks" not in p]
+    return (first or summary["points"])[:MAX_TIMELINE_POINTS]
+
+
+def _offline_timeline(summary: dict, requests: pa.Table, seen: pa.Table) -> Section:
+    import matplotlib.pyplot as plt
+
+    t = seen.column("arrival_s").to_numpy(zero_copy_only=False).astype(np.float64)
     if t.size == 0 or not np.isfinite(t).any():
         return Section("Timeline")
-    order = np.argsort(t, kind="stable")
-    t = t[order] - np.nanmin(t)
+    t = t - np.nanmin(t)
     span = max(float(np.nanmax(t)), 1e-9)
     divisor, unit = time_axis(span)
-    fig, axes = plt.subplots(3, 1, figsize=(FULL_WIDTH, 6.5), sharex=True)
     edges = np.linspace(0, span, min(100, max(10, int(np.sqrt(t.size)))) + 1)
+    at = dict(
+        zip(seen.column("request_id").to_pylist(), np.clip(np.searchsorted(edges, t, "right") - 1, 0, edges.size - 2))
+    )
+    fig, axes = plt.subplots(3, 1, figsize=(FULL_WIDTH, 7.5), sharex=True)
     counts, _ = np.histogram(t, edges)
-    axes[0].step(edges[:-1] / divisor, counts / np.diff(edges), where="post")
+    axes[0].step(edges[:-1] / divisor, counts / np.diff(edges), where="post", color="grey")
     axes[0].set_ylabel("requests / s")
-    hit = rows.column("hit_tokens").to_numpy(zero_copy_only=False).astype(np.float64)[order]
-    inp = rows.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.float64)[order]
-    axes[1].plot(t / divisor, np.divide(hit, inp, out=np.zeros_like(hit), where=inp > 0), ".", markersize=2)
+    shown = _timeline_points(summary)
+    caps = sorted({p["capacity_blocks"] for p in shown if "capacity_blocks" in p})
+    for p in shown:
+        rows = requests.filter(pc.equal(requests.column("point"), p["name"]))
+        bins = np.array([at.get(r, 0) for r in rows.column("request_id").to_pylist()], dtype=np.int64)
+        hit = np.bincount(bins, rows.column("hit_tokens").to_numpy(zero_copy_only=False), edges.size - 1)
+        inp = np.bincount(bins, rows.column("input_tokens").to_numpy(zero_copy_only=False), edges.size - 1)
+        rate = np.divide(hit, inp, out=np.full_like(hit, np.nan, dtype=np.float64), where=inp > 0)
+        dash = _CAPACITY_DASHES[caps.index(p["capacity_blocks"]) % len(_CAPACITY_DASHES)] if caps else "-"
+        style = {"color": colour(p.get("policy") or p["name"]), "linestyle": dash}
+        axes[1].step(edges[:-1] / divisor, rate, where="post", label=p["name"], **style)
     axes[1].set_ylabel("token hit rate")
-    axes[2].plot(t / divisor, rows.column("seen").to_numpy()[order], label="distinct blocks seen")
-    if "capacity_blocks" in point:
-        axes[2].axhline(point["capacity_blocks"], color="grey", linestyle=":", label="capacity")
-    axes[2].legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    axes[2].plot(
+        np.sort(t) / divisor, np.sort(seen.column("seen").to_numpy()), color="black", label="distinct blocks seen"
+    )
+    for cap in caps:
+        axes[2].axhline(cap, color="grey", linestyle=":")
+        axes[2].annotate(f"{plain(cap)} blocks", (0, cap), fontsize=7, color="grey", va="bottom")
+    if caps and seen.num_rows and int(pc.max(seen.column("seen")).as_py()) > 20 * caps[0]:
+        axes[2].set_yscale("log")  # capacities far below the working set would sit flat on a linear axis
+        log_ticks(axes[2], "y")
+    axes[2].legend(fontsize=7, loc="upper left")
     axes[2].set_ylabel("blocks")
     axes[2].set_xlabel(f"time since the first request ({unit})")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    caption = f"Request rate, hit rate and KV occupancy by trace arrival time ({point['name']})"
+    cut = len(summary["points"]) - len(shown)
+    more = f"; {cut} more points in 'Hit rate per point'" if cut else ""
+    caption = (
+        "Request rate, each point's token hit rate per stretch of time, and the working set against the "
+        f"capacities, by trace arrival time{more}"
+    )
     return Section("Timeline", [Figure(svg(fig), caption)])
