@@ -15,22 +15,10 @@ from kvbench.report import tenants
 from kvbench.report.style import FULL_WIDTH, colour
 from kvbench.run.runner import run_replay
 
+from ..browser import markdown_sections as md_sections
 from ..conftest import CHAT, SAMPLES
 
 POLICIES = "lru,tenant-quota,priority-lru,s3fifo"
-
-
-def md_sections(md: str) -> dict[str, str]:
-    """report.md's `## ` sections by heading."""
-    out: dict[str, list[str]] = {}
-    current = None
-    for line in md.splitlines():
-        if line.startswith("## "):
-            current = line[3:].strip()
-            out[current] = []
-        elif current is not None:
-            out[current].append(line)
-    return {k: "\n".join(v) for k, v in out.items()}
 
 
 def names(text: str, point: str) -> bool:
