@@ -33,7 +33,10 @@ TIMEOUT_MS = 60_000  # a 2-core machine that is also running other things
 WIDTH = 1400  # wide enough for the reports' full-width figures and their widest tables
 HEIGHT = 900  # the viewport; a full-page screenshot grows to the page's height
 SCREENSHOT_DIR = "screenshots"
-INSTALL_HINT = "apt install chromium (or set KVBENCH_CHROMIUM to a Chromium binary) and pip install playwright"
+INSTALL_HINT = (
+    "apt install chromium (or set KVBENCH_CHROMIUM to a Chromium binary) and pip install 'kvbench[screenshot]' "
+    "(playwright)"
+)
 
 
 class BrowserMissing(KvbenchError):
@@ -53,7 +56,7 @@ def browser_problem() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        return "the Python package playwright is not installed (pip install playwright)"
+        return "the Python package playwright is not installed (pip install 'kvbench[screenshot]')"
     if chromium_executable() is None:
         where = os.environ.get("KVBENCH_CHROMIUM")
         if where is not None:

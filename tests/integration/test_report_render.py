@@ -224,7 +224,7 @@ def test_report_command_without_a_browser_still_writes_the_report(runs, monkeypa
         monkeypatch.setitem(sys.modules, "playwright.sync_api", None)
     r = CliRunner().invoke(main, ["report", str(run), "--screenshot"])
     assert r.exit_code != 0
-    assert "apt install chromium" in r.output and "pip install playwright" in r.output
+    assert "apt install chromium" in r.output and "kvbench[screenshot]" in r.output
     assert (run / "report.html").exists() and not (run / "screenshots").exists()
 
 
