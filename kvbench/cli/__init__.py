@@ -122,7 +122,9 @@ from kvbench.cli.replay import replay  # noqa: E402
 from kvbench.cli.report import report  # noqa: E402
 from kvbench.cli.sweep import sweep  # noqa: E402
 from kvbench.cli.trace import trace  # noqa: E402
+from kvbench.cli.trace_fit import trace_fit  # noqa: E402
 
+trace.add_command(trace_fit)
 main.add_command(trace)
 main.add_command(replay)
 main.add_command(engine)

@@ -1,0 +1,177 @@
+"""How close a twin is to its trace, measured: infinite-cache hit rate, radix-lru hit rate at capacities spread
+over the trace's footprint, and the distributions the model fits; written as report.md and report.html."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvbench.report.page import Figure, Section, Table, num, pct, render_html, render_markdown, svg
+from kvbench.trace.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
+
+CURVE_POINTS = 8
+POLICY = "radix-lru"
+
+
+def capacities(table: pa.Table, points: int = CURVE_POINTS) -> list[int]:
+    """`points` capacities (blocks), evenly spaced on a log scale from 1% to 100% of the trace's distinct blocks:
+    from a cache that holds little more than the hottest prefixes to one that holds everything."""
+    flat = pc.list_flatten(table.column("block_hashes"))
+    unique = max(int(pc.count_distinct(flat).as_py()) if len(flat) else 1, 1)
+    caps = np.unique(np.maximum(np.round(np.geomspace(unique / 100, unique, points)), 1).astype(int))
+    return [int(c) for c in caps]
+
+
+def infinite(table: pa.Table, block_size: int, warmup: float = DEFAULT_WARMUP) -> dict:
+    """Token hit rate of an unbounded cache (all requests and after the warm-up share)."""
+    hashes = table.column("block_hashes")
+    nb = pc.list_value_length(hashes).to_numpy(zero_copy_only=False).astype(np.int64)
+    inp = table.column("input_tokens").to_numpy().astype(np.int64)
+    return hit_rates(infinite_cache_hits(hashes), nb, inp, block_size, warmup)["token"]
+
+
+def curve(trace_path: Path, caps: list[int], warmup: float = DEFAULT_WARMUP) -> list[dict]:
+    """radix-lru token hit rates at `caps` (blocks) from the `sim` backend."""
+    from kvbench.run.runner import run_replay  # the runner pulls in the cache kernels: only when measuring
+
+    with tempfile.TemporaryDirectory(prefix="kvbench-fit-") as tmp:
+        _, summary = run_replay(
+            trace_path,
+            "sim",
+            {"policy": POLICY, "capacity": ",".join(map(str, caps))},
+            out=Path(tmp) / "run",
+            warmup=warmup,
+            report=False,
+        )
+    points = [p for p in summary["points"] if p["policy"] == POLICY]
+    return [{"capacity_blocks": p["capacity_blocks"], **p["hit_rate"]["token"]} for p in points]
+
+
+def fidelity(orig: pa.Table, orig_path: Path, twin: pa.Table, twin_path: Path, block_size: int, scale: float = 1.0):
+    """Original vs twin. A K-times twin is compared at K times each capacity: the same cache per user."""
+    caps = capacities(orig)
+    o_inf, t_inf = infinite(orig, block_size), infinite(twin, block_size)
+    o_curve = curve(orig_path, caps)
+    t_curve = curve(twin_path, [max(1, int(round(c * scale))) for c in caps])
+    rows = []
+    for o, t in zip(o_curve, t_curve, strict=True):
+        rows.append(
+            {
+                "capacity_blocks": o["capacity_blocks"],
+                "twin_capacity_blocks": t["capacity_blocks"],
+                "original": {"steady": o["steady"], "all": o["all"]},
+                "twin": {"steady": t["steady"], "all": t["all"]},
+            }
+        )
+
+    def gap(a, b, key):
+        return abs(a[key] - b[key])
+
+    return {
+        "scale": scale,
+        "infinite_cache": {"original": o_inf, "twin": t_inf, "gap_steady": gap(o_inf, t_inf, "steady")},
+        "infinite_cache_gap_all": gap(o_inf, t_inf, "all"),
+        "curve": rows,
+        "max_curve_gap_steady": max((gap(r["original"], r["twin"], "steady") for r in rows), default=0.0),
+        "max_curve_gap_all": max((gap(r["original"], r["twin"], "all") for r in rows), default=0.0),
+    }
+
+
+def _cdf(ax, values, label, style):
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    v = v[np.isfinite(v)]
+    if v.size:
+        ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label, **style)
+
+
+ORIG_STYLE = {"color": "#1f77b4"}
+TWIN_STYLE = {"color": "#d62728", "linestyle": "--"}
+
+
+def figures(orig: pa.Table, twin: pa.Table, st_orig: dict, st_twin: dict, fid: dict | None) -> list[Figure]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE
+
+    out = []
+    if fid is not None:
+        fig, ax = plt.subplots(figsize=(FULL_WIDTH * 0.6, SMALL_MULTIPLE))
+        caps = [r["capacity_blocks"] for r in fid["curve"]]
+        ax.plot(caps, [r["original"]["steady"] for r in fid["curve"]], marker="o", label="original", **ORIG_STYLE)
+        ax.plot(caps, [r["twin"]["steady"] for r in fid["curve"]], marker="x", label="twin", **TWIN_STYLE)
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity (blocks of the original; a K-times twin gets K times as many)")
+        ax.set_ylabel("token hit rate (steady state)")
+        ax.set_ylim(0, 1)
+        ax.legend()
+        out.append(Figure(svg(fig), f"{POLICY} hit rate vs capacity, original and twin"))
+    fig, axes = plt.subplots(1, 3, figsize=(FULL_WIDTH, SMALL_MULTIPLE))
+    for ax, column, label in ((axes[0], "input_tokens", "prompt tokens"), (axes[1], "output_tokens", "output tokens")):
+        _cdf(ax, orig.column(column).to_numpy(), "original", ORIG_STYLE)
+        _cdf(ax, twin.column(column).to_numpy(), "twin", TWIN_STYLE)
+        ax.set_xscale("symlog")
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests ≤ x")
+    _cdf(axes[2], st_orig["lag_s"], "original", ORIG_STYLE)
+    _cdf(axes[2], st_twin["lag_s"], "twin", TWIN_STYLE)
+    axes[2].set_xscale("symlog", linthresh=1e-3)
+    axes[2].set_xlabel("reuse distance (s to the latest request sharing the prefix)")
+    axes[2].set_ylabel("fraction of reusing requests ≤ x")
+    axes[0].legend()
+    out.append(Figure(svg(fig), "distributions (CDF): prompt and output lengths, reuse distance"))
+    return out
+
+
+def _kind_shares(st: dict) -> list[str]:
+    kind = st["kind"]
+    return [pct(float(np.mean(kind == k))) for k in range(3)]
+
+
+def write(out_dir: Path, title: str, params: dict, orig, twin, st_orig, st_twin, fid: dict | None) -> list[Path]:
+    """report.md and report.html in `out_dir`."""
+    sections = []
+    if fid is not None:
+        inf = fid["infinite_cache"]
+        rows = [["infinite cache", pct(inf["original"]["steady"]), pct(inf["twin"]["steady"]), num(inf["gap_steady"])]]
+        for r in fid["curve"]:
+            o, t = r["original"]["steady"], r["twin"]["steady"]
+            cap = f"{POLICY} {r['capacity_blocks']:,} blocks"
+            rows.append([cap, pct(o), pct(t), num(abs(o - t))])
+        sections.append(
+            Section(
+                "Fidelity",
+                [
+                    f"Token hit rates after the warm-up share, original vs twin (scale {fid['scale']:g}). "
+                    f"Largest gap on the curve: {num(fid['max_curve_gap_steady'])}; "
+                    f"infinite cache: {num(inf['gap_steady'])}.",
+                    Table(["cache", "original", "twin", "|gap|"], rows),
+                ],
+            )
+        )
+    sections.append(Section("Overlays", figures(orig, twin, st_orig, st_twin, fid)))
+    structure_rows = [
+        ["requests", num(orig.num_rows), num(twin.num_rows)],
+        ["fresh / extend / branch", " / ".join(_kind_shares(st_orig)), " / ".join(_kind_shares(st_twin))],
+        ["arrival rate (req/s)", num(params["arrival"]["rate_per_s"]), num(_rate(twin))],
+        ["gap CV after the rate curve", num(params["arrival"]["gap_cv"]), "–"],
+        ["mean turns per session (inferred)", num(params["sessions"]["inferred"]["mean_turns"]), "–"],
+    ]
+    sections.append(Section("Structure", [Table(["", "original", "twin"], structure_rows)]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, html = out_dir / "report.md", out_dir / "report.html"
+    md.write_text(render_markdown(title, sections))
+    html.write_text(render_html(title, sections))
+    return [md, html]
+
+
+def _rate(table: pa.Table) -> float:
+    t = table.column("arrival_s").to_numpy()
+    span = float(t[-1] - t[0]) if t.size > 1 else 0.0
+    return t.size / span if span > 0 else 0.0

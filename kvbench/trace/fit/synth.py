@@ -1,0 +1,140 @@
+"""A synthetic twin from fitted parameters (`model.fit`): arrivals, then each request's kind, parent and blocks.
+
+The twin is generated request by request in arrival order, the way the model reads a trace (model.py): a fresh
+request gets new blocks; an extend takes the request that arrived `lag` seconds earlier, keeps its blocks but
+the dropped ones and appends new blocks; a branch takes the first `shared` blocks of the request `lag` seconds
+earlier and appends its own. Popular prefixes are not listed anywhere: they arise, as in the trace, from
+requests copying prefixes that earlier requests copied. New blocks get ids no other block has, so equal id still
+means equal prefix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from kvbench.trace.blockhash import content_ids, name_key
+from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, draw
+
+
+def arrivals(arrival: dict, n: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """n arrival times (s): gaps drawn with the fitted burstiness in rescaled time, mapped through the fitted
+    cumulative rate curve; `scale` times the requests over the same duration is `scale` times the rate."""
+    edges = np.asarray(arrival["bin_edges_s"], dtype=np.float64)
+    cum = np.asarray(arrival["cumulative_requests"], dtype=np.float64)
+    if n <= 1 or cum[-1] <= 0 or edges[-1] <= 0:
+        return np.zeros(n)
+    gaps = np.maximum(draw(arrival["rescaled_gaps"], rng, n - 1, discrete=False), 0.0)
+    if gaps.sum() <= 0:
+        gaps = np.ones(n - 1)
+    u = np.concatenate([[0.0], np.cumsum(gaps)])
+    u *= cum[-1] / u[-1]  # the twin spans the trace's duration, whatever the scale
+    return np.maximum.accumulate(np.interp(u, cum, edges))
+
+
+def _choice(shares: dict[str, float], rng, n: int) -> np.ndarray | None:
+    if not shares:
+        return None
+    names = list(shares)
+    p = np.asarray([shares[k] for k in names], dtype=np.float64)
+    return np.asarray(names, dtype=object)[rng.choice(len(names), size=n, p=p / p.sum())]
+
+
+def _schedule(params: dict, scale: float, rng: np.random.Generator):
+    """Sessions and their turns in time: session starts with the fitted rate curve (x scale) and burstiness, each
+    with a drawn number of turns, consecutive turns a drawn reuse distance apart. Turns past the fitted duration
+    are cut, as the trace's own window cut its last sessions. Returns (arrival, session, turn) in arrival order."""
+    n_sessions = max(1, int(round(params["session_arrival"]["cumulative_requests"][-1] * scale)))
+    start = arrivals(params["session_arrival"], n_sessions, scale, rng)
+    turns = np.maximum(draw(params["turns_per_session"], rng, n_sessions, True), 1).astype(np.int64)
+    session = np.repeat(np.arange(n_sessions), turns)
+    first = np.repeat(np.cumsum(turns) - turns, turns)
+    turn = np.arange(session.size) - first + 1
+    gaps = np.where(turn > 1, np.maximum(draw(params["extend"]["lag_s"], rng, session.size, False), 0.0), 0.0)
+    # cumulative gaps within each session
+    cum = np.cumsum(gaps)
+    t = start[session] + cum - np.repeat(cum[np.cumsum(turns) - turns], turns)
+    keep = t <= params["arrival"]["duration_s"] + 1e-9
+    t, session, turn = t[keep], session[keep], turn[keep]
+    order = np.lexsort((turn, session, t))
+    return t[order], session[order], turn[order]
+
+
+def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -> pa.Table:
+    """The twin as a trace table: about requests x scale requests over the fitted duration."""
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    bs = int(params["block_size"])
+    rng = np.random.default_rng(seed)
+    t, session, turn = _schedule(params, scale, rng)
+    n = t.size
+    starts = params["sessions_start"]
+    shared_start = rng.random(n) < starts["shared_prefix"]
+    ext, br = params["extend"], params["branch"]
+    # Draw every distribution once, vectorised; the loop below only wires parents and block lists.
+    fresh_blocks = np.maximum(draw(params["fresh"]["blocks"], rng, n, True), 1).astype(np.int64)
+    ext_drop = draw(ext["dropped_blocks"], rng, n, True).astype(np.int64)
+    ext_new = draw(ext["new_blocks"], rng, n, True).astype(np.int64)
+    br_lag = draw(br["lag_s"], rng, n, False)
+    br_shared = np.maximum(draw(br["shared_blocks"], rng, n, True), 1).astype(np.int64)
+    br_new = draw(br["new_blocks"], rng, n, True).astype(np.int64)
+    tail = np.clip(draw(params["last_block_tokens"], rng, n, True), 1, bs).astype(np.int64)
+    out_tokens = np.maximum(draw(params["output_tokens"], rng, n, True), 0).astype(np.int64)
+
+    namespace = name_key("trace-fit", seed, scale)
+    next_id = 0
+    blocks: list[np.ndarray] = []
+    kind = np.full(n, FRESH, dtype=np.int8)
+    parent = np.full(n, -1, dtype=np.int64)
+    latest: dict[int, int] = {}  # session -> its latest turn so far
+    step = max(1, n // 20)
+    for i in range(n):
+        s = int(session[i])
+        if s in latest:
+            kind[i], parent[i] = EXTEND, latest[s]
+            pb = blocks[parent[i]]
+            keep, new = pb[: max(pb.size - int(ext_drop[i]), 0)], int(ext_new[i])
+        elif shared_start[i] and i > 0:
+            # the latest earlier request that arrived at least `lag` seconds before this one (the first if none)
+            j = int(np.searchsorted(t, t[i] - br_lag[i], side="right")) - 1
+            kind[i], parent[i] = BRANCH, min(max(j, 0), i - 1)
+            pb = blocks[parent[i]]
+            keep, new = pb[: min(int(br_shared[i]), pb.size)], int(br_new[i])
+        else:
+            keep, new = np.empty(0, np.uint64), int(fresh_blocks[i])
+        if keep.size + new == 0:
+            new = 1  # a prompt has at least one token
+        latest[s] = i
+        fresh = content_ids(namespace, np.arange(next_id, next_id + new)) if new else np.empty(0, np.uint64)
+        next_id += new
+        blocks.append(np.concatenate([keep, fresh]).astype(np.uint64))
+        if progress is not None and (i + 1) % step == 0:
+            progress(i + 1, n)
+
+    n_blocks = np.asarray([b.size for b in blocks], dtype=np.int64)
+    input_tokens = (n_blocks - 1) * bs + tail
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(n_blocks, out=offsets[1:])
+    flat = np.concatenate(blocks) if blocks else np.empty(0, np.uint64)
+    width = len(str(n))
+    ids = np.asarray([f"twin-{i:0{width}d}" for i in range(n)], dtype=object)
+    columns = {
+        "request_id": pa.array(ids, pa.string()),
+        "arrival_s": pa.array(t, pa.float64()),
+        "input_tokens": pa.array(input_tokens, pa.int32()),
+        "output_tokens": pa.array(out_tokens, pa.int32()),
+        "block_hashes": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.uint64())),
+        "session_id": pa.array([f"s{s}" for s in session.tolist()], pa.string()),
+        "turn": pa.array(turn, pa.int32()),
+        "parent_id": pa.array(np.where(parent >= 0, ids[np.maximum(parent, 0)], None), pa.string()),
+    }
+    # Tenants and workloads follow prefixes: a reusing request belongs where its parent does; fresh ones are
+    # drawn by the fitted shares.
+    for column, shares in (("tenant", params.get("tenants")), ("workload", params.get("workloads"))):
+        drawn = _choice(shares or {}, rng, n)
+        if drawn is None:
+            continue
+        for i in np.flatnonzero(parent >= 0).tolist():
+            drawn[i] = drawn[parent[i]]
+        columns[column] = pa.array(drawn.tolist(), pa.string())
+    return pa.table(columns)
