@@ -123,9 +123,11 @@ from kvbench.cli.report import report  # noqa: E402
 from kvbench.cli.sweep import sweep  # noqa: E402
 from kvbench.cli.trace import trace  # noqa: E402
 from kvbench.cli.trace_fit import trace_fit  # noqa: E402
+from kvbench.cli.trace_record import record  # noqa: E402
 
 trace.add_command(trace_fit)
 main.add_command(trace)
+trace.add_command(record)
 main.add_command(replay)
 main.add_command(engine)
 main.add_command(audit)

@@ -21,6 +21,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import zlib
 from collections.abc import Callable
 
 from aiohttp import web
@@ -53,6 +54,7 @@ class FakeServer:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/health", self.health)
         app.router.add_post("/reset_prefix_cache", self.reset)
+        app.router.add_post("/tokenize", self.tokenize)
         return app
 
     @web.middleware
@@ -79,6 +81,18 @@ class FakeServer:
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def tokenize(self, request):
+        """vLLM's /tokenize, for the recording proxy's tests: a word is a token, its id a stable hash of it;
+        chat messages are every message's words in order (no template)."""
+        body = await request.json()
+        if "messages" in body:
+            words = [w for m in body["messages"] for w in str(m.get("content", "")).split()]
+        else:
+            prompt = body.get("prompt", "")
+            words = prompt.split() if isinstance(prompt, str) else [str(t) for t in prompt]
+        tokens = [zlib.crc32(w.encode()) % 100_000 for w in words]
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def reset(self, request):
         self.cache.clear()

@@ -1,0 +1,105 @@
+"""`kvbench trace record`: record a live deployment's traffic as a trace through a reverse proxy
+(`kvbench.live.recorder`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import click
+
+from kvbench.errors import KvbenchError
+from kvbench.live import recordparts
+from kvbench.live.recorder import Recorder, RecordOptions
+from kvbench.redact import redact_url
+from kvbench.trace.keyed import KEY_ENV, hash_key
+
+
+async def serve(recorder: Recorder, host: str, port: int, say=click.echo) -> None:
+    """Serve until cancelled (Ctrl-C, SIGTERM: the CLI turns both into a cancellation of this task), then let
+    in-flight requests end and commit the last rows."""
+    from aiohttp import web
+
+    runner = web.AppRunner(recorder.app(), access_log=None, shutdown_timeout=10.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise KvbenchError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port") from None
+    say(f"recording: point clients at http://{host}:{port}/v1 (upstream {redact_url(recorder.upstream)}); Ctrl-C ends")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()  # runs the app's cleanup: pending rows recorded and committed
+
+
+@click.command("record")
+@click.option(
+    "--upstream", metavar="URL", help="the OpenAI-compatible server to forward to, e.g. http://localhost:8000"
+)
+@click.option("--out", "-o", "out", required=True, type=click.Path(dir_okay=False), help="the trace to write (Parquet)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every interface)")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="TCP port to listen on")
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="tokens per hashed block (the engine's KV block size)",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, dir_okay=False),
+    help="a local tokenizer.json; without it the upstream's /tokenize is asked (vLLM, SGLang)",
+)
+@click.option("--session-header", metavar="HEADER", help="request header that holds the session id, e.g. X-Session-Id")
+@click.option("--session-field", metavar="FIELD", help="top-level request body field that holds the session id")
+@click.option("--user-header", metavar="HEADER", help="request header that holds the user id")
+@click.option("--user-field", metavar="FIELD", default="user", show_default=True, help="body field of the user id")
+@click.option("--tenant-header", metavar="HEADER", help="request header that holds the tenant")
+@click.option("--tenant-field", metavar="FIELD", help="top-level request body field that holds the tenant")
+@click.option("--priority-header", metavar="HEADER", help="request header with the priority (an integer 0-100)")
+@click.option("--priority-field", metavar="FIELD", help="body field with the priority (an integer 0-100)")
+@click.option("--base-model", metavar="NAME", help="the served base model: any other model name is recorded as lora")
+@click.option(
+    "--commit-every",
+    type=click.FloatRange(min=0.01),
+    default=1.0,
+    show_default=True,
+    help="seconds between commits of recorded rows to disk (a killed proxy loses at most this much)",
+)
+@click.option(
+    "--finish", is_flag=True, help="write the trace of a recording that was killed, from OUT.parts/, and exit"
+)
+def record(upstream, out, host, port, block_size, tokenizer, commit_every, finish, **labels) -> None:
+    """Record live traffic as a trace: a reverse proxy forwards every request to --upstream unchanged (streams
+    pass through as they come) and writes one row per /v1/completions or /v1/chat/completions request:
+    arrival time (seconds since the start), prompt tokens and their keyed block ids, output tokens, the
+    server's cached tokens (recorded_cached_tokens, when the answer's usage says it; a stream's usage comes
+    only if the client asked for it with stream_options.include_usage, otherwise output tokens are counted
+    from the stream), status, and session/user/tenant/priority labels. Block ids are hashed with the secret in
+    $KVBENCH_HASH_KEY (never stored); no prompt text is written anywhere. Rows are committed to OUT.parts/
+    as the run goes; Ctrl-C or SIGTERM writes OUT.
+    """
+    out = Path(out)
+    if finish:
+        rows = recordparts.finish(out)
+        click.echo(f"wrote {out} ({rows:,} requests)")
+        return
+    if not upstream:
+        raise KvbenchError("give --upstream URL, the server to record in front of (or --finish to write a trace)")
+    if out.exists():
+        raise KvbenchError(f"{out} exists; choose another --out or remove it")
+    key = hash_key(KEY_ENV)
+    options = RecordOptions(block_size=block_size, commit_every_s=commit_every, **labels)
+    recorder = Recorder(upstream, out, key, options, Path(tokenizer) if tokenizer else None)
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        asyncio.run(serve(recorder, host, port))
+    skipped = f"; {recorder.skipped} not tokenizable, forwarded only" if recorder.skipped else ""
+    if not recordparts.list_parts(out):
+        click.echo(f"nothing recorded{skipped}", err=True)
+        return
+    rows = recordparts.finish(out)
+    click.echo(f"wrote {out} ({rows:,} requests{skipped})")

@@ -1,0 +1,194 @@
+"""`kvbench trace record`: the recording proxy in front of the fake server. Clients get the bytes a direct
+request gets; the recorded trace validates, labels and shares prefixes as the requests did, keeps no text, and
+a killed proxy keeps its committed rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from kvbench.live import recordparts
+from kvbench.live.recorder import Recorder, RecordOptions, UsageReader
+from kvbench.trace.keyed import hash_key
+from kvbench.trace.validation import read_valid_trace
+
+from .conftest import free_port
+
+KEY = hash_key(environ={"KVBENCH_HASH_KEY": "test-secret"})
+SECRET_WORDS = "zebra quartz lantern"  # text that must never reach the trace file
+
+
+class RunningRecorder:
+    """The proxy in a background thread; `stop()` ends it as Ctrl-C does and writes the trace."""
+
+    def __init__(self, upstream: str, out: Path, **options):
+        self.recorder = Recorder(upstream, out, KEY, RecordOptions(**options))
+        self.out, self.port = out, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self._loop)
+            self._runner = web.AppRunner(self.recorder.app(), access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    def stop(self) -> int:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        return recordparts.finish(self.out)
+
+
+def post(base: str, path: str, body: dict, headers: dict | None = None) -> bytes:
+    request = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return r.read()
+
+
+def requests_sent() -> list[tuple[str, dict]]:
+    words = " ".join(f"w{i}" for i in range(40)) + " " + SECRET_WORDS
+    out = []
+    for stream in (False, True):
+        for turn in range(2):
+            out.append(
+                ("/v1/completions", {"model": "m", "prompt": f"{words} c{turn}", "max_tokens": 5, "stream": stream})
+            )
+            messages = [{"role": "user", "content": f"{words} turn{turn}"}]
+            out.append(
+                ("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 4, "stream": stream})
+            )
+    return out
+
+
+def test_clients_get_the_direct_bytes_and_the_trace_records_them(fake_server, tmp_path):
+    direct, upstream = fake_server(), fake_server()  # two identical servers: the same cache state for both
+    out = tmp_path / "rec.parquet"
+    proxy = RunningRecorder(upstream.url, out, session_header="X-Session-Id", commit_every_s=0.05)
+    sent = requests_sent()
+    for i, (path, body) in enumerate(sent):
+        headers = {"X-Session-Id": f"s{i % 2}"}
+        assert post(proxy.url, path, body, headers) == post(direct.url, path, body, headers), (path, body["stream"])
+    with urllib.request.urlopen(proxy.url + "/v1/models") as r:  # any other path passes through
+        assert json.loads(r.read())["data"][0]["id"] == "fake"
+    assert proxy.stop() == len(sent)
+    assert not recordparts.parts_folder(out).exists()
+
+    table, meta = read_valid_trace(out)
+    assert meta.block_size == 16
+    rows = table.to_pylist()
+    assert [r["session_id"] for r in rows] == [f"s{i % 2}" for i in range(len(sent))]
+    assert [r["turn"] for r in rows] == [i // 2 for i in range(len(sent))]
+    assert all(r["recorded_status"] == "ok" for r in rows)
+    assert [r["output_tokens"] for r in rows] == [b["max_tokens"] for _, b in sent]
+    assert [r["input_tokens"] for r in rows] == [44, 44] * 4
+    # the completions prompts share their first 43 words: two whole blocks of 16 in common, then they differ
+    first, second = rows[0]["block_hashes"], rows[2]["block_hashes"]
+    assert first[:2] == second[:2] and first[2] != second[2]
+    # the server's usage, streamed or not: after the first, every prompt hits its two shared whole blocks
+    assert [r["recorded_cached_tokens"] for r in rows] == [0] + [32] * 7
+    data = out.read_bytes()
+    for word in SECRET_WORDS.split():
+        assert word.encode() not in data
+
+
+def test_stream_usage_is_recorded_when_the_client_asks_for_it(fake_server, tmp_path):
+    upstream = fake_server()
+    proxy = RunningRecorder(upstream.url, tmp_path / "u.parquet")
+    body = {"model": "m", "prompt": "a b c d", "max_tokens": 3, "stream": True}
+    post(proxy.url, "/v1/completions", body)
+    post(proxy.url, "/v1/completions", {**body, "stream_options": {"include_usage": True}, "user": "ann"})
+    proxy.stop()
+    rows = read_valid_trace(tmp_path / "u.parquet")[0].to_pylist()
+    assert [r["output_tokens"] for r in rows] == [3, 3]
+    assert [r["user_id"] for r in rows] == [None, "ann"]
+    # the fake always reports usage in a stream; the proxy records it as it passes
+    assert rows[1]["recorded_cached_tokens"] == 0
+
+
+def test_a_stream_without_usage_counts_its_content_events():
+    reader = UsageReader(stream=True)
+    events = [{"choices": [{"index": 0, "delta": {"content": "x"}}]}] * 3 + [{"choices": [{"delta": {}}]}]
+    data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    for i in range(0, len(data), 7):  # events split anywhere across chunks
+        reader.feed(data[i : i + 7])
+    assert reader.finish() == (3, None)
+
+
+def test_http_errors_are_forwarded_and_recorded(fake_server, tmp_path):
+    upstream = fake_server(faults=["0:http500"])
+    proxy = RunningRecorder(upstream.url, tmp_path / "e.parquet")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        post(proxy.url, "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
+    assert caught.value.code == 500
+    proxy.stop()
+    rows = read_valid_trace(tmp_path / "e.parquet")[0].to_pylist()
+    assert rows[0]["recorded_status"] == "http 500"
+
+
+def test_a_killed_recording_keeps_its_rows(fake_server, tmp_path):
+    upstream = fake_server()
+    out, port = tmp_path / "k.parquet", free_port()
+    env = {**os.environ, "KVBENCH_HASH_KEY": "test-secret"}
+    args = ["--upstream", upstream.url, "--out", str(out), "--port", str(port), "--commit-every", "0.05"]
+    code = "from kvbench.cli import main; main()"
+    proc = subprocess.Popen([sys.executable, "-c", code, "trace", "record", *args], env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(200):  # the proxy is up once /v1/models answers through it
+            try:
+                urllib.request.urlopen(base + "/v1/models", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.05)
+        for i in range(3):
+            post(base, "/v1/completions", {"model": "m", "prompt": f"x y z {i}", "max_tokens": 2})
+        time.sleep(0.5)  # ten commit intervals
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert not out.exists() and recordparts.list_parts(out)
+    done = subprocess.run([sys.executable, "-c", code, "trace", "record", "--out", str(out), "--finish"], env=env)
+    assert done.returncode == 0
+    table, _ = read_valid_trace(out)
+    assert table.num_rows == 3
+
+
+def test_sigterm_writes_the_trace(fake_server, tmp_path):
+    upstream = fake_server()
+    out, port = tmp_path / "t.parquet", free_port()
+    env = {**os.environ, "KVBENCH_HASH_KEY": "test-secret"}
+    code = "from kvbench.cli import main; main()"
+    args = ["trace", "record", "--upstream", upstream.url, "--out", str(out), "--port", str(port)]
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env)
+    try:
+        for _ in range(200):
+            try:
+                post(f"http://127.0.0.1:{port}", "/v1/completions", {"model": "m", "prompt": "p q", "max_tokens": 1})
+                break
+            except OSError:
+                time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    assert read_valid_trace(out)[0].num_rows == 1
