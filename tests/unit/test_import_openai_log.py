@@ -187,3 +187,42 @@ def test_sim_backend_replays_the_imported_trace(tokenizer_json, tmp_path):
     assert Path(run_dir).exists()
     assert read_trace(path)[0].num_rows == 2
     assert summary is not None
+
+
+def test_cli_output_tokens_and_upstream_tokenizer(tmp_path):
+    """--output-tokens arrives as text from the command line; --tokenize-url calls the engine's /tokenize (a
+    stand-in server here, answering one token per character)."""
+    import http.server
+    import threading
+
+    class Tokenize(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the http.server API)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
+            answer = json.dumps({"tokens": [ord(c) for c in text]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Tokenize)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        src, out = tmp_path / "log.jsonl", tmp_path / "t.parquet"
+        src.write_text('{"prompt": "abcdefghij"}\n{"messages": [{"role": "user", "content": "abcdefgh"}]}\n')
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        args = ["trace", "import", "openai-log", str(src), "-o", str(out), "--tokenize-url", url]
+        result = CliRunner().invoke(main, [*args, "--output-tokens", "7", "--block-size", "4"])
+        assert result.exit_code == 0, result.output
+        table, meta = read_valid_trace(out)
+        assert table.column("input_tokens").to_pylist() == [10, 8]
+        assert table.column("output_tokens").to_pylist() == [7, 7] and meta.source["tokenizer"] == "upstream"
+        a, b = table.column("block_hashes").to_pylist()
+        assert a[:2] == b  # "abcdefgh" is the first two blocks of "abcdefghij"
+        bad = CliRunner().invoke(main, [*args, "--output-tokens", "many"])
+        assert bad.exit_code != 0 and "--output-tokens 'many'" in bad.output
+    finally:
+        server.shutdown()

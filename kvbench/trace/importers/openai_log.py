@@ -274,7 +274,8 @@ COLUMN_TYPES = {
         "tokenize_url": "base URL of the engine whose /tokenize gives the token ids (vLLM, SGLang; chat "
         "template applied there), e.g. http://localhost:8000",
         "time_field": "field holding each line's time, dots reaching inside (e.g. meta.ts); ISO 8601 or epoch "
-        "s/ms/us [default: timestamp, time, created, … as listed in the docs]",
+        "s/ms/us (told apart by size) [default: the line's timestamp, time, created, created_at, start_time, startTime "
+        "or request_time, else the response's created]",
         "gap_s": "seconds between consecutive requests when the log has no timestamps at all",
         "output_tokens": "output tokens assumed for a request with neither usage.completion_tokens nor max_tokens "
         "[default: such a line is an error]",
@@ -305,6 +306,10 @@ def read_openai_log(
     key = keyed.hash_key()  # first: a missing secret is said before any work
     if (tokenizer is None) == (tokenize_url is None):
         raise KvbenchError("give exactly one of --tokenizer tokenizer.json and --tokenize-url URL")
+    if isinstance(output_tokens, str):  # the command line passes an option without a typed default as text
+        if not output_tokens.isdigit():
+            raise KvbenchError(f"--output-tokens {output_tokens!r} must be a whole number of tokens >= 0")
+        output_tokens = int(output_tokens)
     if block_size < 1 or not np.isfinite(gap_s) or gap_s < 0 or (output_tokens is not None and output_tokens < 0):
         raise KvbenchError("--block-size must be >= 1, --gap-s a finite number >= 0, --output-tokens >= 0")
     if not src.exists():
