@@ -77,7 +77,7 @@ def test_wrapped_records_sorted_with_usage_cached_tokens_and_sessions(tokenizer_
     assert [r["request_id"] for r in rows] == ["L2", "L1", "L3"]  # sorted by time (ISO 8601 and epoch s)
     assert [r["arrival_s"] for r in rows] == [0.0, 2.5, 5.0]
     assert [r["output_tokens"] for r in rows] == [20, 12, 41]  # usage.completion_tokens, not max_tokens
-    assert [r["cached_tokens"] for r in rows] == [0, 16, None]
+    assert [r["recorded_cached_tokens"] for r in rows] == [0, 16, None]
     assert [r["session_id"] for r in rows] == ["s1", "s1", None]
     assert [r["turn"] for r in rows] == [0, 1, None] and rows[1]["parent_id"] == "L2"
     assert [r["tenant"] for r in rows] == ["shop", "shop", "notes"]
@@ -90,7 +90,7 @@ def test_gateway_records_with_headers_and_ms_times(tokenizer_json):
     rows = table.to_pylist()
     assert [r["arrival_s"] for r in rows] == [0.0, 1.5]
     assert [r["session_id"] for r in rows] == ["chat-9"] * 2 and rows[0]["tenant"] == "acme"
-    assert [r["cached_tokens"] for r in rows] == [0, 9]
+    assert [r["recorded_cached_tokens"] for r in rows] == [0, 9]
     first, second = (r["block_hashes"] for r in rows)
     assert second[: len(first) - 1] == first[:-1]  # the second turn extends the first conversation
 

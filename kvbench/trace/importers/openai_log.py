@@ -19,10 +19,10 @@ requested budget (max_completion_tokens, max_tokens), else --output-tokens; the 
 which. user_id = body "user" (or metadata user / user_id); session_id and tenant from --session-field /
 --tenant-field, else metadata (session_id, conversation_id, thread_id; tenant, tenant_id, org_id) or gateway
 headers (x-session-id; x-tenant-id, openai-organization); turn and parent_id follow each session in arrival
-order; cache_salt from the body. Extra columns: model, cached_tokens (usage.prompt_tokens_details.cached_tokens,
-or usage.cached_tokens), usage_prompt_tokens (the server's count, to compare with ours), log_id (the line's
-id / request_id / custom_id, or the response's id). request_id is "L{line}".
-"""
+order; cache_salt from the body. Extra columns: model, recorded_cached_tokens (usage.prompt_tokens_details.
+cached_tokens, or usage.cached_tokens; named as `kvbench trace record` names it), recorded_prompt_tokens (the
+server's usage.prompt_tokens, to compare with our count), log_id (the line's id / request_id / custom_id, or the
+response's id). request_id is "L{line}"."""
 
 from __future__ import annotations
 
@@ -207,8 +207,8 @@ class _Reader:
             "tenant": _label(TENANT_KEYS, self.opts["tenant_field"], rec, body, headers),
             "cache_salt": body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None,
             "model": model if isinstance(model, str) else None,
-            "cached_tokens": _count(cached, "cached_tokens"),
-            "usage_prompt_tokens": _count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
+            "recorded_cached_tokens": _count(cached, "cached_tokens"),
+            "recorded_prompt_tokens": _count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
             "log_id": None if log_id is None else str(log_id),
         }
         self.output_from[source] += 1  # counted last: a line found bad above is not counted
@@ -260,8 +260,8 @@ def _sessions(table_rows: list[dict]) -> None:
 
 COLUMN_TYPES = {
     "user_id": pa.string(), "session_id": pa.string(), "tenant": pa.string(), "cache_salt": pa.string(),
-    "model": pa.string(), "cached_tokens": pa.int32(), "usage_prompt_tokens": pa.int32(), "log_id": pa.string(),
-    "turn": pa.int32(), "parent_id": pa.string(), "workload": pa.string(),
+    "model": pa.string(), "recorded_cached_tokens": pa.int32(), "recorded_prompt_tokens": pa.int32(),
+    "log_id": pa.string(), "turn": pa.int32(), "parent_id": pa.string(), "workload": pa.string(),
 }  # fmt: skip
 
 
