@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -32,8 +33,8 @@ SECRET_WORDS = "zebra quartz lantern"  # text that must never reach the trace fi
 class RunningRecorder:
     """The proxy in a background thread; `stop()` ends it as Ctrl-C does and writes the trace."""
 
-    def __init__(self, upstream: str, out: Path, **options):
-        self.recorder = Recorder(upstream, out, KEY, RecordOptions(**options))
+    def __init__(self, upstream: str, out: Path, tokenizer: Path | None = None, **options):
+        self.recorder = Recorder(upstream, out, KEY, RecordOptions(**options), tokenizer)
         self.out, self.port = out, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -126,6 +127,49 @@ def test_stream_usage_is_recorded_when_the_client_asks_for_it(fake_server, tmp_p
     assert rows[1]["recorded_cached_tokens"] == 0
 
 
+def test_streams_pass_through_as_they_come(fake_server, tmp_path):
+    upstream = fake_server(itl_ms=100)  # 5 tokens 100 ms apart: the whole answer takes 0.5 s
+    proxy = RunningRecorder(upstream.url, tmp_path / "s.parquet")
+
+    async def first_and_last() -> tuple[float, float]:
+        body = {"model": "m", "prompt": "a b c", "max_tokens": 5, "stream": True}
+        start = time.perf_counter()
+        async with aiohttp.ClientSession() as session, session.post(proxy.url + "/v1/completions", json=body) as r:
+            await r.content.readline()
+            first = time.perf_counter() - start
+            await r.read()
+        return first, time.perf_counter() - start
+
+    first, last = asyncio.run(first_and_last())
+    proxy.stop()
+    assert last >= 0.4 and first < 0.2  # the first event arrived long before the stream ended
+
+
+def test_local_tokenizer_and_labels(fake_server, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)} | {"[UNK]": 100}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    upstream = fake_server()
+    options = {"tenant_header": "X-Tenant", "base_model": "base", "priority_field": "prio"}
+    proxy = RunningRecorder(upstream.url, tmp_path / "l.parquet", tokenizer=tmp_path / "tokenizer.json", **options)
+    body = {"model": "adapter-1", "prompt": words(20), "max_tokens": 1, "cache_salt": "s1", "prio": 80}
+    post(proxy.url, "/v1/completions", body, {"X-Tenant": "acme"})
+    post(proxy.url, "/v1/completions", {**body, "model": "base", "prio": 500}, {"X-Tenant": "acme"})
+    proxy.stop()
+    rows = read_valid_trace(tmp_path / "l.parquet")[0].to_pylist()
+    assert [r["input_tokens"] for r in rows] == [20, 20]
+    assert rows[0]["block_hashes"] == rows[1]["block_hashes"]
+    assert [r["lora"] for r in rows] == ["adapter-1", None]
+    assert [r["tenant"] for r in rows] == ["acme", "acme"] and rows[0]["cache_salt"] == "s1"
+    assert [r["priority"] for r in rows] == [80, None]  # out of the schema's 0-100: not invented
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{i}" for i in range(n))
+
+
 def test_a_stream_without_usage_counts_its_content_events():
     reader = UsageReader(stream=True)
     events = [{"choices": [{"index": 0, "delta": {"content": "x"}}]}] * 3 + [{"choices": [{"delta": {}}]}]
@@ -180,15 +224,20 @@ def test_sigterm_writes_the_trace(fake_server, tmp_path):
     env = {**os.environ, "KVBENCH_HASH_KEY": "test-secret"}
     code = "from kvbench.cli import main; main()"
     args = ["trace", "record", "--upstream", upstream.url, "--out", str(out), "--port", str(port)]
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    body = {"model": "m", "prompt": SECRET_WORDS, "max_tokens": 1}
     try:
         for _ in range(200):
             try:
-                post(f"http://127.0.0.1:{port}", "/v1/completions", {"model": "m", "prompt": "p q", "max_tokens": 1})
+                post(f"http://127.0.0.1:{port}", "/v1/completions", body)
                 break
             except OSError:
                 time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
+        said = proc.communicate(timeout=20)[0]
+    assert proc.returncode == 0, said
     assert read_valid_trace(out)[0].num_rows == 1
+    assert b"wrote" in said and not any(w.encode() in said for w in SECRET_WORDS.split())  # nor in its output
