@@ -122,9 +122,11 @@ from kvbench.cli.replay import replay  # noqa: E402
 from kvbench.cli.report import report  # noqa: E402
 from kvbench.cli.sweep import sweep  # noqa: E402
 from kvbench.cli.trace import trace  # noqa: E402
+from kvbench.cli.trace_anonymize import anonymize_command  # noqa: E402
 from kvbench.cli.trace_fit import trace_fit  # noqa: E402
 from kvbench.cli.trace_record import record  # noqa: E402
 
+trace.add_command(anonymize_command)
 trace.add_command(trace_fit)
 main.add_command(trace)
 trace.add_command(record)
