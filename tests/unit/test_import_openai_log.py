@@ -226,3 +226,24 @@ def test_cli_output_tokens_and_upstream_tokenizer(tmp_path):
         assert bad.exit_code != 0 and "--output-tokens 'many'" in bad.output
     finally:
         server.shutdown()
+
+
+def test_times_missing_on_some_lines_or_unreadable_are_named(tokenizer_json, tmp_path):
+    src = tmp_path / "log.jsonl"
+    src.write_text('{"time": 1700000000, "prompt": "a", "max_tokens": 1}\n{"prompt": "b", "max_tokens": 1}\n')
+    with pytest.raises(TraceFormatError, match=r"log\.jsonl: line 2: no timestamp"):
+        read_openai_log(src, tokenizer=tokenizer_json)
+    src.write_text('{"time": "yesterday", "prompt": "a", "max_tokens": 1}\n')
+    with pytest.raises(TraceFormatError, match=r"line 1: field 'time' 'yesterday' is neither ISO 8601"):
+        read_openai_log(src, tokenizer=tokenizer_json)
+
+
+def test_a_logger_record_with_messages_and_response_at_top_level(tokenizer_json, tmp_path):
+    """SDK loggers often write the request's fields and the response side by side on one object."""
+    src = tmp_path / "log.jsonl"
+    line = {"startTime": 1700000001.25, "model": "m", "messages": [{"role": "user", "content": "a cat"}],
+            "metadata": {"conversation_id": "c7"}, "response": {"usage": {"completion_tokens": 3}}}  # fmt: skip
+    src.write_text(json.dumps(line) + "\n")
+    table, _ = _import(src, tokenizer_json)
+    row = table.to_pylist()[0]
+    assert (row["output_tokens"], row["session_id"], row["turn"]) == (3, "c7", 0)
