@@ -17,6 +17,7 @@ Rows are committed as the run goes (`recordparts`): a killed proxy keeps every r
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,7 +212,8 @@ class Recorder:
                         reader.feed(chunk)
                 except aiohttp.ClientPayloadError:
                     status = "cut"
-                    request.transport.close()  # the client sees the cut the upstream made
+                    if request.transport is not None:
+                        request.transport.close()  # the client sees the cut the upstream made
                     return response
                 await response.write_eof()
                 return response
@@ -221,7 +223,8 @@ class Recorder:
         except aiohttp.ClientError as exc:
             status = "cut" if response is not None else "upstream unreachable"
             if response is not None:
-                request.transport.close()
+                if request.transport is not None:
+                    request.transport.close()
                 return response
             return web.json_response(
                 {"error": {"message": f"kvbench trace record: upstream {self.upstream} failed: {type(exc).__name__}"}},
@@ -272,8 +275,15 @@ class Recorder:
     async def _record(self, row: dict, tokens: asyncio.Task, reader: UsageReader, status: str) -> None:
         try:
             ids = await tokens
-        except Exception:  # never the prompt in a message: only that one request is left out
+        except Exception as exc:  # only that one request is left out
             self.skipped += 1
+            if self.skipped == 1:  # once, and never with the prompt: kvbench's messages name fields, not text
+                why = str(exc) if isinstance(exc, KvbenchError) else type(exc).__name__
+                print(
+                    f"kvbench trace record: a request could not be tokenized ({why}); such requests are forwarded "
+                    "but not recorded (give --tokenizer tokenizer.json if the upstream has no /tokenize)",
+                    file=sys.stderr,
+                )
             return
         if not ids:
             self.skipped += 1

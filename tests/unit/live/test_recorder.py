@@ -5,6 +5,7 @@ a killed proxy keeps its committed rows."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -188,6 +189,23 @@ def test_http_errors_are_forwarded_and_recorded(fake_server, tmp_path):
     proxy.stop()
     rows = read_valid_trace(tmp_path / "e.parquet")[0].to_pylist()
     assert rows[0]["recorded_status"] == "http 500"
+
+
+def test_cut_streams_and_untokenizable_prompts(fake_server, tmp_path, capfd):
+    upstream = fake_server(faults=["1:cut"])
+    proxy = RunningRecorder(upstream.url, tmp_path / "c.parquet")
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 6, "stream": True}
+    post(proxy.url, "/v1/completions", body)
+    with pytest.raises((OSError, http.client.HTTPException)):  # the client sees the cut the upstream made
+        post(proxy.url, "/v1/completions", body)
+    batch = {"model": "m", "prompt": [SECRET_WORDS, "two"], "max_tokens": 1}  # forwarded, not recorded
+    post(proxy.url, "/v1/completions", batch)
+    proxy.stop()
+    rows = read_valid_trace(tmp_path / "c.parquet")[0].to_pylist()
+    assert [r["recorded_status"] for r in rows] == ["ok", "cut"]
+    assert proxy.recorder.skipped == 1
+    said = capfd.readouterr().err
+    assert "could not be tokenized" in said and "zebra" not in said
 
 
 def test_a_killed_recording_keeps_its_rows(fake_server, tmp_path):
