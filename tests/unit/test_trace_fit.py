@@ -53,7 +53,7 @@ def test_twin_validates_and_keeps_hit_rates(chat, tmp_path):
     table, meta, params = chat
     twin = synthesize(params, seed=0)
     assert validate_table(twin, meta.block_size, "twin").ok
-    # measured 0.015 (seeds 0-2: 0.001-0.015)
+    # measured 0.017 (seeds 0-2: 0.002-0.017)
     assert (
         abs(report.infinite(twin, meta.block_size)["steady"] - report.infinite(table, meta.block_size)["steady"]) < 0.05
     )
@@ -61,7 +61,7 @@ def test_twin_validates_and_keeps_hit_rates(chat, tmp_path):
     caps = report.capacities(table, 4)
     original, synthetic = report.curve(CHAT, caps), report.curve(path, caps)
     gaps = [abs(o["steady"] - t["steady"]) for o, t in zip(original, synthetic, strict=True)]
-    assert max(gaps) < 0.1  # measured 0.060 at seed 0 (seeds 0-2: 0.054-0.068), largest mid-curve
+    assert max(gaps) < 0.1  # measured 0.050 at seed 0 (seeds 0-2: 0.050-0.072), largest at the smallest capacity
 
 
 def test_scale_doubles_users_not_their_behaviour(chat):

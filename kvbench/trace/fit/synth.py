@@ -14,7 +14,11 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.trace.blockhash import content_ids, name_key
-from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, draw
+from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, at, draw, length_bucket
+
+BRANCH_SEARCH = (
+    256  # requests looked back for a branch's parent: bounds the cost of a prefix no prompt is long enough for
+)
 
 
 def arrivals(arrival: dict, n: int, scale: float, rng: np.random.Generator) -> np.ndarray:
@@ -57,7 +61,7 @@ def _schedule(params: dict, scale: float, rng: np.random.Generator):
     keep = t <= params["arrival"]["duration_s"] + 1e-9
     t, session, turn = t[keep], session[keep], turn[keep]
     order = np.lexsort((turn, session, t))
-    return t[order], session[order], turn[order]
+    return t[order], session[order], turn[order], turns
 
 
 def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -> pa.Table:
@@ -66,18 +70,18 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         raise ValueError(f"scale must be > 0, got {scale}")
     bs = int(params["block_size"])
     rng = np.random.default_rng(seed)
-    t, session, turn = _schedule(params, scale, rng)
+    t, session, turn, turns = _schedule(params, scale, rng)
+    turn_bucket = [str(b) for b in length_bucket(turns).tolist()]
     n = t.size
     starts = params["sessions_start"]
     shared_start = rng.random(n) < starts["shared_prefix"]
     ext, br = params["extend"], params["branch"]
     # Draw every distribution once, vectorised; the loop below only wires parents and block lists.
-    fresh_blocks = np.maximum(draw(params["fresh"]["blocks"], rng, n, True), 1).astype(np.int64)
+    head_u = rng.random(n)  # levels for a session's first prompt, whose table depends on its turns
     ext_drop = draw(ext["dropped_blocks"], rng, n, True).astype(np.int64)
-    ext_new = draw(ext["new_blocks"], rng, n, True).astype(np.int64)
-    br_lag = draw(br["lag_s"], rng, n, False)
+    ext_new_u = rng.random(n)  # levels: the table depends on the parent's length, known only in the loop
+    br_lag_u = rng.random(n)  # levels: the lag's table depends on the shared length
     br_shared = np.maximum(draw(br["shared_blocks"], rng, n, True), 1).astype(np.int64)
-    br_new = draw(br["new_blocks"], rng, n, True).astype(np.int64)
     tail = np.clip(draw(params["last_block_tokens"], rng, n, True), 1, bs).astype(np.int64)
     out_tokens = np.maximum(draw(params["output_tokens"], rng, n, True), 0).astype(np.int64)
 
@@ -86,6 +90,7 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     blocks: list[np.ndarray] = []
     kind = np.full(n, FRESH, dtype=np.int8)
     parent = np.full(n, -1, dtype=np.int64)
+    lengths = np.zeros(n, dtype=np.int64)
     latest: dict[int, int] = {}  # session -> its latest turn so far
     step = max(1, n // 20)
     for i in range(n):
@@ -93,21 +98,33 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         if s in latest:
             kind[i], parent[i] = EXTEND, latest[s]
             pb = blocks[parent[i]]
-            keep, new = pb[: max(pb.size - int(ext_drop[i]), 0)], int(ext_new[i])
+            table = ext["new_blocks"].get(str(int(length_bucket(pb.size))), ext["new_blocks"]["all"])
+            keep, new = pb[: max(pb.size - int(ext_drop[i]), 0)], int(at(table, ext_new_u[i]))
         elif shared_start[i] and i > 0:
             # the latest earlier request that arrived at least `lag` seconds before this one (the first if none)
-            j = int(np.searchsorted(t, t[i] - br_lag[i], side="right")) - 1
-            kind[i], parent[i] = BRANCH, min(max(j, 0), i - 1)
+            want = int(br_shared[i])
+            lags = br["lag_s"].get(str(int(length_bucket(want))), br["lag_s"]["all"])
+            lag = at(lags, br_lag_u[i], discrete=False)
+            j = min(max(int(np.searchsorted(t, t[i] - lag, side="right")) - 1, 0), i - 1)
+            # A branch shares part of a longer prompt (else it would be that prompt's next turn): take the
+            # latest request at or before the lag long enough to share `want` blocks and differ after them.
+            k = j
+            while k > 0 and j - k < BRANCH_SEARCH and lengths[k] < want + 2:
+                k -= 1
+            kind[i], parent[i] = BRANCH, k if lengths[k] >= want + 2 else j
             pb = blocks[parent[i]]
-            keep, new = pb[: min(int(br_shared[i]), pb.size)], int(br_new[i])
+            table = br["new_blocks"].get(turn_bucket[s], br["new_blocks"]["all"])
+            keep, new = pb[: min(want, pb.size)], int(at(table, head_u[i]))
         else:
-            keep, new = np.empty(0, np.uint64), int(fresh_blocks[i])
+            table = params["fresh"]["blocks"].get(turn_bucket[s], params["fresh"]["blocks"]["all"])
+            keep, new = np.empty(0, np.uint64), max(int(at(table, head_u[i])), 1)
         if keep.size + new == 0:
             new = 1  # a prompt has at least one token
         latest[s] = i
         fresh = content_ids(namespace, np.arange(next_id, next_id + new)) if new else np.empty(0, np.uint64)
         next_id += new
         blocks.append(np.concatenate([keep, fresh]).astype(np.uint64))
+        lengths[i] = blocks[-1].size
         if progress is not None and (i + 1) % step == 0:
             progress(i + 1, n)
 
