@@ -37,7 +37,9 @@ async def serve(recorder: Recorder, host: str, port: int, say=click.echo) -> Non
 
 @click.command("record")
 @click.option(
-    "--upstream", metavar="URL", help="the OpenAI-compatible server to forward to, e.g. http://localhost:8000"
+    "--upstream",
+    metavar="URL",
+    help="the OpenAI-compatible server to forward to, e.g. http://localhost:8000 (a trailing /v1 is dropped)",
 )
 @click.option("--out", "-o", "out", required=True, type=click.Path(dir_okay=False), help="the trace to write (Parquet)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every interface)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,8 +87,9 @@ class UsageReader:
     """Reads the answer as it passes (never holding a stream, only its last partial line): usage when present,
     and the count of content events of a stream."""
 
-    def __init__(self, stream: bool):
+    def __init__(self, stream: bool, encoding: str = ""):
         self.stream, self.tail, self.events = stream, b"", 0
+        self.encoding = encoding.lower()  # a compressed answer passes through compressed; only its copy is opened
         self.usage: dict | None = None
         self.body = bytearray()  # a non-streamed answer only, for its usage
 
@@ -123,9 +125,12 @@ class UsageReader:
             self._line(self.tail.strip())
         else:
             try:
-                answer = orjson.loads(bytes(self.body))
+                body = bytes(self.body)
+                if self.encoding in ("gzip", "deflate"):
+                    body = zlib.decompress(body, 47)  # 47: a gzip or zlib header, whichever it has
+                answer = orjson.loads(body)
                 self.usage = answer.get("usage") if isinstance(answer, dict) else None
-            except ValueError:
+            except (ValueError, zlib.error):
                 self.usage = None
         usage = self.usage if isinstance(self.usage, dict) else {}
         out = usage.get("completion_tokens")
@@ -139,7 +144,10 @@ class Recorder:
     """The proxy: `app()` to serve, `close()` to commit the last rows and write the trace."""
 
     def __init__(self, upstream: str, out: Path, key: bytes, options: RecordOptions, tokenizer: Path | None = None):
-        self.upstream, self.key, self.options = upstream.rstrip("/"), key, options
+        upstream = upstream.rstrip("/")
+        # clients' paths start with /v1, so an upstream given as the clients' base URL (…/v1) loses its /v1
+        self.upstream = upstream[:-3] if upstream.endswith("/v1") else upstream
+        self.key, self.options = key, options
         self.local = LocalTokenizer(tokenizer) if tokenizer else None
         source = {"kind": "recorded", "tokenizer": self.local.name if self.local else "upstream /tokenize"}
         self.parts = RecordParts(Path(out), options.block_size, source)
@@ -193,8 +201,7 @@ class Recorder:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         url = self.upstream + request.rel_url.path_qs
         status = "ok"
-        response = None
-        reader = UsageReader(bool(isinstance(body, dict) and body.get("stream")))
+        response, reader = None, UsageReader(False)
         try:
             async with self.session.request(request.method, url, data=data, headers=headers) as up:
                 response = web.StreamResponse(status=up.status, reason=up.reason)
@@ -204,6 +211,8 @@ class Recorder:
                 if up.content_length is not None and "Content-Encoding" not in up.headers:
                     response.content_length = up.content_length
                 await response.prepare(request)
+                stream = bool(isinstance(body, dict) and body.get("stream"))
+                reader = UsageReader(stream, up.headers.get("Content-Encoding", ""))
                 if up.status >= 400:
                     status = f"http {up.status}"
                 try:

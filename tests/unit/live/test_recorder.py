@@ -5,6 +5,7 @@ a killed proxy keeps its committed rows."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
 import os
@@ -116,7 +117,7 @@ def test_clients_get_the_direct_bytes_and_the_trace_records_them(fake_server, tm
 
 def test_stream_usage_is_recorded_when_the_client_asks_for_it(fake_server, tmp_path):
     upstream = fake_server()
-    proxy = RunningRecorder(upstream.url, tmp_path / "u.parquet")
+    proxy = RunningRecorder(upstream.url + "/v1/", tmp_path / "u.parquet")  # the clients' base URL works too
     body = {"model": "m", "prompt": "a b c d", "max_tokens": 3, "stream": True}
     post(proxy.url, "/v1/completions", body)
     post(proxy.url, "/v1/completions", {**body, "stream_options": {"include_usage": True}, "user": "ann"})
@@ -178,6 +179,13 @@ def test_a_stream_without_usage_counts_its_content_events():
     for i in range(0, len(data), 7):  # events split anywhere across chunks
         reader.feed(data[i : i + 7])
     assert reader.finish() == (3, None)
+
+
+def test_a_compressed_answer_is_read_for_its_usage():
+    reader = UsageReader(stream=False, encoding="gzip")
+    usage = {"completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 32}}
+    reader.feed(gzip.compress(json.dumps({"usage": usage}).encode()))
+    assert reader.finish() == (7, 32)
 
 
 def test_http_errors_are_forwarded_and_recorded(fake_server, tmp_path):
