@@ -31,7 +31,7 @@ from kvbench import __version__
 from kvbench.errors import KvbenchError
 from kvbench.trace.files import TraceMeta, new_meta
 from kvbench.trace.keyed import DIGEST, hash_key, rekey
-from kvbench.trace.schema import MM_ITEM, TRACE_SCHEMA
+from kvbench.trace.schema import MM_ITEM, TRACE_SCHEMA, conform
 
 ANON_KEY_ENV = "KVBENCH_ANON_KEY"
 
@@ -187,13 +187,10 @@ def anonymize(table: pa.Table, meta: TraceMeta, key: bytes, round_s: float | Non
     """`table` (a valid trace, read with `meta`) with every identifier replaced (see the module's text).
     Returns the new table and metadata; the caller validates and writes them."""
     dropped_columns = [c for c in table.column_names if c not in TRACE_SCHEMA.names]
-    # a fresh table without the original's schema metadata: it holds the old provenance (and pandas' index)
-    columns = {c: table.column(c) for c in table.column_names if c in TRACE_SCHEMA.names}
-    for name in TRACE_SCHEMA.names:
-        if name not in columns:
-            columns[name] = pa.chunked_array([pa.nulls(table.num_rows, TRACE_SCHEMA.field(name).type)])
-    if "mm_items" in table.column_names and not pa.types.is_list(columns["mm_items"].type):
-        columns["mm_items"] = columns["mm_items"].cast(TRACE_SCHEMA.field("mm_items").type)
+    # cast to the schema (a file from another writer may hold ids as integers, lists as large lists), every
+    # column present; a fresh table, without the original's schema metadata (its provenance, pandas' index)
+    typed = conform(table)
+    columns = {name: typed.column(name) for name in TRACE_SCHEMA.names}
     base = pa.table(columns)
 
     new = dict(columns)

@@ -157,6 +157,18 @@ def test_extra_columns_and_identifying_provenance_are_dropped():
     assert out.table.column("depends_on").to_pylist() == [[]] + [[i] for i in ids[:-1]]
 
 
+def test_ids_written_as_integers_are_renamed_like_their_text():
+    table = make_trace()
+    ints = {c: pa.array([None if v is None else int(v[1:]) for v in table.column(c).to_pylist()], pa.int64())
+            for c in ("request_id", "parent_id")}  # fmt: skip
+    ints["depends_on"] = pa.array([[]] + [[str(i)] for i in range(5)], pa.list_(pa.string()))
+    raw = pa.table({**{c: table.column(c) for c in table.column_names}, **ints})
+    key = anon_key(ANON_KEY_ENV, {ANON_KEY_ENV: "k"})
+    out = anonymize(raw, new_meta(4, {}), key)
+    assert out.table.column("request_id").to_pylist() == [pseudonym(str(i), "req", key) for i in range(6)]
+    assert validate_table(out.table, 4).ok
+
+
 def test_written_and_read_back_the_trace_validates(tmp_path):
     table = make_trace()
     out = anonymize(table, new_meta(4, {}), anon_key(ANON_KEY_ENV, {ANON_KEY_ENV: "k"}), round_s=1.0)
