@@ -29,6 +29,7 @@ from aiohttp import web
 
 from kvbench.errors import KvbenchError
 from kvbench.live.recordparts import RecordParts
+from kvbench.redact import redact_url
 from kvbench.trace.keyed import block_ids
 from kvbench.trace.tokenizer import LocalTokenizer, NotTokenizable, prompt_of, token_ids, tokenize_payload
 
@@ -141,7 +142,8 @@ class UsageReader:
 
 
 class Recorder:
-    """The proxy: `app()` to serve, `close()` to commit the last rows and write the trace."""
+    """The proxy: serve `app()` with an aiohttp runner; the runner's cleanup waits for the rows of requests in
+    flight and commits them, and `recordparts.finish(out)` then writes the trace."""
 
     def __init__(self, upstream: str, out: Path, key: bytes, options: RecordOptions, tokenizer: Path | None = None):
         upstream = upstream.rstrip("/")
@@ -208,7 +210,7 @@ class Recorder:
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         response.headers.add(k, v)
-                if up.content_length is not None and "Content-Encoding" not in up.headers:
+                if up.content_length is not None:  # the bytes pass undecoded, so the upstream's length holds
                     response.content_length = up.content_length
                 await response.prepare(request)
                 stream = bool(isinstance(body, dict) and body.get("stream"))
@@ -235,8 +237,9 @@ class Recorder:
                 if request.transport is not None:
                     request.transport.close()
                 return response
+            why = f"cannot reach {redact_url(self.upstream)} ({type(exc).__name__})"
             return web.json_response(
-                {"error": {"message": f"kvbench trace record: upstream {self.upstream} failed: {type(exc).__name__}"}},
+                {"error": {"message": f"kvbench trace record: {why}; is the --upstream server running?"}},
                 status=502,
             )
         finally:
