@@ -10,13 +10,11 @@ from pathlib import Path
 import click
 
 from kvbench.errors import KvbenchError
-from kvbench.live import recordparts
-from kvbench.live.recorder import Recorder, RecordOptions
 from kvbench.redact import redact_url
 from kvbench.trace.keyed import KEY_ENV, hash_key
 
 
-async def serve(recorder: Recorder, host: str, port: int, say=click.echo) -> None:
+async def serve(recorder, host: str, port: int, say=click.echo) -> None:
     """Serve until cancelled (Ctrl-C, SIGTERM: the CLI turns both into a cancellation of this task), then let
     in-flight requests end and commit the last rows."""
     from aiohttp import web
@@ -85,6 +83,13 @@ def record(upstream, out, host, port, block_size, tokenizer, commit_every, finis
     $KVBENCH_HASH_KEY (never stored); no prompt text is written anywhere. Rows are committed to OUT.parts/
     as the run goes; Ctrl-C or SIGTERM writes OUT.
     """
+    # imported here: the proxy needs aiohttp (the live extra), and the rest of the CLI loads without it
+    try:
+        from kvbench.live import recordparts
+        from kvbench.live.recorder import Recorder, RecordOptions
+    except ImportError as exc:
+        raise KvbenchError(f"kvbench trace record needs the live extra ({exc}): pip install 'kvbench[live]'") from None
+
     out = Path(out)
     if finish:
         rows = recordparts.finish(out)
