@@ -105,7 +105,13 @@ def gen() -> None:
 def _import_command(imp: importers.Importer) -> click.Command:
     def run(src, out, **options):
         options = {k: v for k, v in options.items() if v is not None}
-        with console.status(f"importing {src}"):
+        with console.status(f"importing {src}") as status:
+            if "progress" in inspect.signature(imp.read).parameters:  # a slow reader says how far it is
+
+                def progress(done, total, what):
+                    status.update(f"importing {src}: {what}, {done / max(total, 1):.0%}")
+
+                options["progress"] = progress
             if imp.write is not None:  # batch by batch, validated as it is written
                 rows = imp.write(Path(src), Path(out), **options)
             else:
@@ -120,6 +126,8 @@ def _import_command(imp: importers.Importer) -> click.Command:
         click.Option(["-o", "--out"], type=click.Path(dir_okay=False), required=True, help="output Parquet trace"),
     ]
     for name, p in list(inspect.signature(imp.read).parameters.items())[1:]:
+        if name == "progress":  # the command's own callback, not an option
+            continue
         flag, help = "--" + name.replace("_", "-"), imp.option_help.get(name, "")
         if isinstance(p.default, bool):
             params.append(click.Option([flag, name], is_flag=True, default=p.default, help=help))

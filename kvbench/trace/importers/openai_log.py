@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -128,35 +127,6 @@ def _label(keys, explicit: str | None, rec: dict, body: dict, headers: dict) -> 
     return None
 
 
-class _Progress:
-    """A bar on stderr for logs that take more than a second (tokenizing is the slow part). When the CLI's
-    spinner is live it has redirected stderr through rich's proxy: the bar then joins that spinner's console
-    (rich nests live displays of one console) instead of fighting it for the same terminal line."""
-
-    def __init__(self, total_bytes: int, name: str):
-        self.total, self.name, self.t0, self.bar = total_bytes, name, time.monotonic(), None
-
-    def __call__(self, done_bytes: int) -> None:
-        if self.bar is None:
-            if time.monotonic() - self.t0 < 1.0 or not sys.stderr.isatty():
-                return
-            from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-            console = getattr(sys.stderr, "_FileProxy__console", None) or Console(stderr=True)
-            self.bar = Progress(
-                TextColumn(f"tokenizing {self.name}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                console=console, transient=True,
-            )  # fmt: skip
-            self.bar.start()
-            self.task = self.bar.add_task("", total=self.total)
-        self.bar.update(self.task, completed=done_bytes)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 class _Reader:
     """Turns lines into rows (without text): token ids are hashed at once and the prompt dropped."""
 
@@ -215,11 +185,14 @@ class _Reader:
         return row
 
 
-def _lines(src: Path, progress: _Progress):
-    """(line number, record or the reason it is unreadable) for every non-blank line."""
+def _lines(src: Path, progress):
+    """(line number, record or the reason it is unreadable) for every non-blank line; `progress(bytes read,
+    bytes in all, what)` after each (tokenizing is the slow part of an import)."""
+    total = src.stat().st_size
     with src.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
-            progress(fh.tell())
+            if progress is not None:
+                progress(fh.tell(), total, f"tokenizing {src.name}")
             if not raw.strip():
                 continue
             try:
@@ -300,6 +273,7 @@ def read_openai_log(
     tenant_field: str | None = None,
     skip_bad_lines: bool = False,
     workload: str | None = None,
+    progress=None,
 ):
     """OpenAI-style request logs (JSONL: request bodies, or {time, request, response/usage} records; keyed ids)."""
     src = Path(src)
@@ -318,19 +292,15 @@ def read_openai_log(
     opts = {"time_field": time_field, "output_tokens": output_tokens}
     reader = _Reader(tok, key, block_size, {**opts, "session_field": session_field, "tenant_field": tenant_field})
     rows, bad = [], []
-    progress = _Progress(src.stat().st_size, src.name)
-    try:
-        for lineno, rec in _lines(src, progress):
-            try:
-                if isinstance(rec, _BadLine):
-                    raise rec
-                rows.append(reader.row(rec, lineno))
-            except _BadLine as exc:
-                if not skip_bad_lines:
-                    raise TraceFormatError(f"{src}: line {lineno}: {exc} (--skip-bad-lines skips such lines)") from None
-                bad.append((lineno, str(exc)))
-    finally:
-        progress.close()
+    for lineno, rec in _lines(src, progress):
+        try:
+            if isinstance(rec, _BadLine):
+                raise rec
+            rows.append(reader.row(rec, lineno))
+        except _BadLine as exc:
+            if not skip_bad_lines:
+                raise TraceFormatError(f"{src}: line {lineno}: {exc} (--skip-bad-lines skips such lines)") from None
+            bad.append((lineno, str(exc)))
     if not rows:
         raise TraceFormatError(f"{src}: no readable requests" + (f" ({len(bad)} bad lines)" if bad else ""))
     if bad:  # never dropped silently: said here and kept in the trace's metadata
