@@ -5,7 +5,8 @@ of three kinds, read off its prefix-chained block ids (docs/semantics.md, Fittin
 
 * fresh: no leading block was seen before (a new conversation with a new system prompt, or none);
 * extend: it repeats all blocks of an earlier request but at most the last one (which was partial and now holds
-  more tokens) and appends new blocks: the next turn of a conversation, whether or not the trace names sessions;
+  more tokens), more than that request shared with its own parent, and appends new blocks: the next turn of a
+  conversation, whether or not the trace names sessions;
 * branch: it shares a shorter leading run with an earlier request (a shared system prompt, document or few-shot
   header) and continues with its own blocks.
 
@@ -102,8 +103,12 @@ def structure(table: pa.Table) -> dict:
     kind = np.full(n, FRESH, dtype=np.int8)
     reuse = parent >= 0
     parent_len = np.where(reuse, n_blocks[np.maximum(parent, 0)], 0)
-    kind[reuse & (shared >= parent_len - 1)] = EXTEND
-    kind[reuse & (shared < parent_len - 1)] = BRANCH
+    # An extend continues what was its parent's own: sharing no more than the parent itself borrowed (a 2-block
+    # prompt after another that shares only the system prompt) is a branch off that borrowed prefix
+    own = shared > shared[np.maximum(parent, 0)]
+    extend = reuse & (shared >= parent_len - 1) & own
+    kind[extend] = EXTEND
+    kind[reuse & ~extend] = BRANCH
     lag = np.where(reuse, arrival - arrival[np.maximum(parent, 0)], np.nan)
     return {
         "n_blocks": n_blocks,
