@@ -3,8 +3,9 @@ a trace (docs/semantics.md, Keyed block ids), with no prompt text kept anywhere.
 
 Forwarding comes first: a request's bytes go to the upstream as they arrived, and the answer's bytes come back
 chunk by chunk as the upstream sends them (a stream is never buffered), so a client cannot tell the proxy is
-there. Recording runs beside it: the prompt is tokenized concurrently (the upstream's /tokenize, or a local
-tokenizer.json in a worker thread), hashed into keyed block ids (`kvbench.trace.keyed`) and dropped.
+there. Recording runs beside it: once the answer's first bytes went to the client, the prompt is tokenized
+(the upstream's /tokenize, or a local tokenizer.json in a worker thread), hashed into keyed block ids
+(`kvbench.trace.keyed`) and dropped.
 
 Usage, as chosen: the request is never changed, so a stream's usage (output and cached tokens) is recorded when
 the client asked for it (stream_options.include_usage) and otherwise the output tokens are the stream's content
@@ -197,7 +198,6 @@ class Recorder:
             try:
                 body = orjson.loads(data)
                 row = self._labels(arrival, request, body)  # at arrival: ids and turns in arrival order
-                tokens = asyncio.create_task(self._tokenize(body, request.headers))  # beside the forwarding
             except (ValueError, NotTokenizable, AttributeError, TypeError):
                 body = None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -221,6 +221,8 @@ class Recorder:
                     async for chunk in up.content.iter_any():
                         await response.write(chunk)  # at once: the client sees each event when the upstream sends it
                         reader.feed(chunk)
+                        if row is not None and tokens is None:
+                            tokens = self._start_tokenizing(body, request)
                 except aiohttp.ClientPayloadError:
                     status = "cut"
                     if request.transport is not None:
@@ -243,10 +245,16 @@ class Recorder:
                 status=502,
             )
         finally:
-            if row is not None and tokens is not None:
+            if row is not None:
+                tokens = tokens or self._start_tokenizing(body, request)
                 task = asyncio.create_task(self._record(row, tokens, reader, status))
                 self._pending.add(task)
                 task.add_done_callback(self._pending.discard)
+
+    def _start_tokenizing(self, body: dict, request: web.Request) -> asyncio.Task:
+        """Tokenize once the first bytes of the answer went to the client (or the request ended): the
+        upstream's /tokenize never competes with the request it is recording for the time to first token."""
+        return asyncio.create_task(self._tokenize(body, request.headers))
 
     async def _tokenize(self, body: dict, headers) -> list[int]:
         kind, prompt = prompt_of(body)
