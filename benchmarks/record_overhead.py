@@ -10,6 +10,7 @@ The upstream is `--upstream URL` (e.g. the vLLM CPU engine) or, by default, the 
 (`python -m kvbench.live.fakeserver`, instant answers: the proxy's own cost with nothing to hide it). The
 proxy is the real command (`kvbench trace record`, a subprocess) tokenizing with the upstream's /tokenize.
 At the end the proxy is stopped with SIGTERM and its trace must hold one row per proxied request.
+`--no-recording` runs the same proxy with recording switched off: the hop alone, to set its cost apart.
 
 Prints p50/p99 of both and their differences; writes benchmarks/results/record_overhead.json.
 
@@ -124,6 +125,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=8, help="max_tokens of every request")
     ap.add_argument("--vocab", type=int, default=4096, help="prompt words are w0 … w{vocab-1}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-recording",
+        action="store_true",
+        help="the same proxy with recording switched off: the cost of the hop alone, to set the recording's apart",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
     args = ap.parse_args()
 
@@ -140,7 +146,11 @@ def main() -> None:
         port = free_port()
         trace = work / "recorded.parquet"
         env = {**os.environ, "KVBENCH_HASH_KEY": os.urandom(16).hex()}
-        record = [*CLI, "trace", "record", "--upstream", upstream, "--out", str(trace), "--port", str(port)]
+        cli = CLI
+        if args.no_recording:  # no path is recorded: every request is only forwarded
+            code = "import kvbench.live.recorder as r; r.RECORDED_PATHS = (); from kvbench.cli import main; main()"
+            cli = [sys.executable, "-c", code]
+        record = [*cli, "trace", "record", "--upstream", upstream, "--out", str(trace), "--port", str(port)]
         proxy_proc = subprocess.Popen(record, env=env)
         procs.append(proxy_proc)
         proxy = f"http://127.0.0.1:{port}"
@@ -151,7 +161,7 @@ def main() -> None:
         proxy_proc.wait(60)
         import pyarrow.parquet as pq
 
-        rows = pq.read_metadata(trace).num_rows if trace.exists() else 0
+        rows = pq.read_metadata(trace).num_rows if trace.exists() else 0  # (none without recording)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -160,6 +170,7 @@ def main() -> None:
     direct, proxied = stats(results["direct"]), stats(results["proxy"])
     report = {
         "upstream": "fake server" if not args.upstream else "given",
+        "recording": not args.no_recording,
         "rate": args.rate,
         "duration_s": args.duration,
         "input_len": args.input_len,
