@@ -158,6 +158,24 @@ def session_stats(session: np.ndarray, arrival: np.ndarray) -> dict:
     }
 
 
+def _uncut_turns(session: np.ndarray, head: np.ndarray, arrival: np.ndarray) -> np.ndarray:
+    """Turns of the sessions that the trace's window did not cut short: those that started at least the 99th
+    percentile of session spans before the end. The twin cuts its own sessions at the window's end, so drawing
+    from the cut counts of every session would cut twice (Mooncake: 4% fewer requests, 0.025 less hit rate)."""
+    n = session.size
+    turns = np.bincount(session, minlength=n)
+    first = np.full(n, np.inf)
+    last = np.full(n, -np.inf)
+    np.minimum.at(first, session, arrival)
+    np.maximum.at(last, session, arrival)
+    heads = np.flatnonzero(head)
+    spans = last[heads] - first[heads]
+    horizon = float(np.quantile(spans, 0.99)) if heads.size else 0.0
+    uncut = heads[first[heads] <= arrival.max() - horizon]
+    # too few sessions would make the distribution noisier than the cut is biased
+    return turns[uncut] if uncut.size >= max(50, heads.size // 2) else turns[heads]
+
+
 def _arrival_model(arrival: np.ndarray) -> dict:
     """Rate over time (a cumulative count curve on equal time bins) and the burstiness left once the rate curve
     is taken out: gaps in rescaled time, where a Poisson process at the fitted rate has exponential gaps of
@@ -224,7 +242,7 @@ def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
             "fresh": float(np.mean(kind[head] == FRESH)),
             "shared_prefix": float(reuse_head.sum() / max(head.sum(), 1)),
         },
-        "turns_per_session": quantiles(turns),
+        "turns_per_session": quantiles(_uncut_turns(session, head, st["arrival_s"])),
         # a session's first prompt by its number of turns (Mooncake: 26 blocks for single-turn sessions, 16 for
         # longer ones); keys are buckets of turns, as of lengths
         "fresh": {"blocks": by_length(nb[head & (kind == FRESH)], head_turns[head & (kind == FRESH)])},
