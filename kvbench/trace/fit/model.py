@@ -28,6 +28,7 @@ FRESH, EXTEND, BRANCH = 0, 1, 2
 KIND_NAMES = ("fresh", "extend", "branch")
 LEVELS = 201  # quantile levels stored per distribution: 0.5% steps, enough to keep point masses of counts
 MODEL_VERSION = 1
+MAX_ROOTS = 10_000  # root prefixes whose popularity the parameters list
 BUCKET_MIN = 50  # samples a length bucket needs for its own distribution
 
 
@@ -110,7 +111,9 @@ def structure(table: pa.Table) -> dict:
     kind[extend] = EXTEND
     kind[reuse & ~extend] = BRANCH
     lag = np.where(reuse, arrival - arrival[np.maximum(parent, 0)], np.nan)
+    first_block = np.where(n_blocks > 0, flat[np.minimum(offsets[:-1], max(flat.size - 1, 0))], 0)
     return {
+        "first_block": first_block,
         "n_blocks": n_blocks,
         "shared": shared,
         "parent": parent,
@@ -156,6 +159,18 @@ def session_stats(session: np.ndarray, arrival: np.ndarray) -> dict:
         "mean_turns": float(counts.mean()) if counts.size else 0.0,
         "turn_gap_s": quantiles((t[1:] - t[:-1])[same]),
     }
+
+
+def _root_shares(first: np.ndarray, reuse_head: np.ndarray) -> list[float]:
+    """Popularity of root prefixes (a prompt's first block: a system prompt): the share of sessions that start
+    from a shared prefix under each root, the roots in the order the trace first used them (the twin's roots are
+    numbered as its fresh prompts create them). At most MAX_ROOTS roots; past them the twin draws no root."""
+    uniq, first_row, inverse = np.unique(first, return_index=True, return_inverse=True)
+    rank = np.empty(uniq.size, dtype=np.int64)
+    rank[np.argsort(first_row, kind="stable")] = np.arange(uniq.size)
+    counts = np.bincount(rank[inverse[reuse_head]], minlength=uniq.size)[:MAX_ROOTS]
+    total = counts.sum()
+    return [float(c / total) for c in counts] if total else []
 
 
 def _uncut_turns(session: np.ndarray, head: np.ndarray, arrival: np.ndarray) -> np.ndarray:
@@ -255,6 +270,7 @@ def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
             # by shared blocks: a short popular prefix (a system prompt) was used moments ago, a long shared
             # document longer ago
             "lag_s": by_length(st["lag_s"][reuse_head], shared[reuse_head]),
+            "root_shares": _root_shares(st["first_block"], reuse_head),
             "shared_blocks": quantiles(shared[reuse_head]),
             "new_blocks": by_length((nb - shared)[reuse_head], head_turns[reuse_head]),
         },

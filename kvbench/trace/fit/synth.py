@@ -10,6 +10,8 @@ means equal prefix.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import pyarrow as pa
 
@@ -91,6 +93,10 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     kind = np.full(n, FRESH, dtype=np.int8)
     parent = np.full(n, -1, dtype=np.int64)
     lengths = np.zeros(n, dtype=np.int64)
+    root_p = np.asarray(br.get("root_shares", []), dtype=np.float64)
+    root_u = rng.random(n)
+    root_of = np.zeros(n, dtype=np.int64)
+    members: list[list[int]] = []  # requests of each root prefix, in arrival order
     latest: dict[int, int] = {}  # session -> its latest turn so far
     step = max(1, n // 20)
     for i in range(n):
@@ -101,17 +107,25 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
             table = ext["new_blocks"].get(str(int(length_bucket(pb.size))), ext["new_blocks"]["all"])
             keep, new = pb[: max(pb.size - int(ext_drop[i]), 0)], int(at(table, ext_new_u[i]))
         elif shared_start[i] and i > 0:
-            # the latest earlier request that arrived at least `lag` seconds before this one (the first if none)
             want = int(br_shared[i])
             lags = br["lag_s"].get(str(int(length_bucket(want))), br["lag_s"]["all"])
             lag = at(lags, br_lag_u[i], discrete=False)
-            j = min(max(int(np.searchsorted(t, t[i] - lag, side="right")) - 1, 0), i - 1)
-            # A branch shares part of a longer prompt (else it would be that prompt's next turn): take the
-            # latest request at or before the lag long enough to share `want` blocks and differ after them.
-            k = j
-            while k > 0 and j - k < BRANCH_SEARCH and lengths[k] < want + 2:
+            # the root prefix (first block) by its fitted popularity among the roots created so far, then the
+            # latest request of that root that arrived at least `lag` seconds before this one (the first if none)
+            avail = min(len(members), len(root_p))
+            weights = root_p[:avail]
+            if avail and weights.sum() > 0:
+                rank = int(np.searchsorted(np.cumsum(weights), root_u[i] * weights.sum(), side="right"))
+                pool = members[min(rank, avail - 1)]
+            else:
+                pool = list(range(i))
+            pos = max(bisect.bisect_right(pool, t[i] - lag, key=t.__getitem__) - 1, 0)
+            # A branch shares part of a longer prompt (else it would be that prompt's next turn): go back to the
+            # latest one long enough to share `want` blocks and differ after them.
+            k = pos
+            while k > 0 and pos - k < BRANCH_SEARCH and lengths[pool[k]] < want + 2:
                 k -= 1
-            kind[i], parent[i] = BRANCH, k if lengths[k] >= want + 2 else j
+            kind[i], parent[i] = BRANCH, pool[k] if lengths[pool[k]] >= want + 2 else pool[pos]
             pb = blocks[parent[i]]
             table = br["new_blocks"].get(turn_bucket[s], br["new_blocks"]["all"])
             keep, new = pb[: min(want, pb.size)], int(at(table, head_u[i]))
@@ -121,6 +135,12 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         if keep.size + new == 0:
             new = 1  # a prompt has at least one token
         latest[s] = i
+        if parent[i] < 0:
+            root_of[i] = len(members)  # a fresh prompt starts a new root prefix
+            members.append([])
+        else:
+            root_of[i] = root_of[parent[i]]
+        members[root_of[i]].append(i)
         fresh = content_ids(namespace, np.arange(next_id, next_id + new)) if new else np.empty(0, np.uint64)
         next_id += new
         blocks.append(np.concatenate([keep, fresh]).astype(np.uint64))
