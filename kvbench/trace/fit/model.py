@@ -191,7 +191,7 @@ def _uncut_turns(session: np.ndarray, head: np.ndarray, arrival: np.ndarray) -> 
     return turns[uncut] if uncut.size >= max(50, heads.size // 2) else turns[heads]
 
 
-def _arrival_model(arrival: np.ndarray) -> dict:
+def arrival_model(arrival: np.ndarray) -> dict:
     """Rate over time (a cumulative count curve on equal time bins) and the burstiness left once the rate curve
     is taken out: gaps in rescaled time, where a Poisson process at the fitted rate has exponential gaps of
     mean 1 (coefficient of variation 1; above 1 is burstier)."""
@@ -250,8 +250,8 @@ def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
         "model_version": MODEL_VERSION,
         "block_size": block_size,
         "requests": int(table.num_rows),
-        "arrival": _arrival_model(st["arrival_s"]),
-        "session_arrival": _arrival_model(st["arrival_s"][head]),
+        "arrival": arrival_model(st["arrival_s"]),
+        "session_arrival": arrival_model(st["arrival_s"][head]),
         "kinds": {name: float(np.mean(kind == k)) for k, name in enumerate(KIND_NAMES)},
         "sessions_start": {
             "fresh": float(np.mean(kind[head] == FRESH)),

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.report.page import Figure, Section, Table, num, pct, render_html, render_markdown, svg
+from kvbench.trace.fit.model import arrival_model, session_stats, sessions_of
 from kvbench.trace.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
 
 CURVE_POINTS = 8
@@ -156,13 +157,18 @@ def write(out_dir: Path, title: str, params: dict, orig, twin, st_orig, st_twin,
             )
         )
     sections.append(Section("Overlays", figures(orig, twin, st_orig, st_twin, fid)))
+    twin_arrival = arrival_model(st_twin["arrival_s"])
+    twin_sessions = session_stats(sessions_of(st_twin["kind"], st_twin["parent"])[0], st_twin["arrival_s"])
     structure_rows = [
         ["requests", num(orig.num_rows), num(twin.num_rows)],
         ["fresh / extend / branch", " / ".join(_kind_shares(st_orig)), " / ".join(_kind_shares(st_twin))],
-        ["arrival rate (req/s)", num(params["arrival"]["rate_per_s"]), num(_rate(twin))],
-        ["gap CV after the rate curve", num(params["arrival"]["gap_cv"]), "–"],
-        ["mean turns per session (inferred)", num(params["sessions"]["inferred"]["mean_turns"]), "–"],
-    ]
+        ["arrival rate (req/s)", num(params["arrival"]["rate_per_s"]), num(twin_arrival["rate_per_s"])],
+        ["gap CV after the rate curve", num(params["arrival"]["gap_cv"]), num(twin_arrival["gap_cv"])],
+        ["mean turns per session (from block ids)", num(params["sessions"]["inferred"]["mean_turns"]),
+         num(twin_sessions["mean_turns"])],
+        ["root prefixes (distinct first blocks)", num(_roots(st_orig)[0]), num(_roots(st_twin)[0])],
+        ["requests under the most used root", pct(_roots(st_orig)[1]), pct(_roots(st_twin)[1])],
+    ]  # fmt: skip
     sections.append(Section("Structure", [Table(["", "original", "twin"], structure_rows)]))
     out_dir.mkdir(parents=True, exist_ok=True)
     md, html = out_dir / "report.md", out_dir / "report.html"
@@ -171,7 +177,7 @@ def write(out_dir: Path, title: str, params: dict, orig, twin, st_orig, st_twin,
     return [md, html]
 
 
-def _rate(table: pa.Table) -> float:
-    t = table.column("arrival_s").to_numpy()
-    span = float(t[-1] - t[0]) if t.size > 1 else 0.0
-    return t.size / span if span > 0 else 0.0
+def _roots(st: dict) -> tuple[int, float]:
+    """Distinct root prefixes and the share of requests under the most used one."""
+    _, counts = np.unique(st["first_block"], return_counts=True)
+    return int(counts.size), float(counts.max() / counts.sum()) if counts.size else 0.0
