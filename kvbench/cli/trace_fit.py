@@ -56,8 +56,9 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     distance); prompt and output length distributions; tenant and workload shares. Sessions are taken from the
     trace where it names them and inferred from extends where it does not.
     """
+    from kvbench.report import twin as report
     from kvbench.trace.files import new_meta, write_trace
-    from kvbench.trace.fit import model, report, synth
+    from kvbench.trace.fit import model, synth
     from kvbench.trace.validation import check, read_valid_trace
 
     started = time.monotonic()

@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
+from kvbench.report import twin as report
 from kvbench.trace.files import new_meta, read_trace, write_trace
-from kvbench.trace.fit import fit, report, synthesize
+from kvbench.trace.fit import fit, synthesize
 from kvbench.trace.fit.model import EXTEND, FRESH, session_stats, structure
 from kvbench.trace.validation import validate_table
 
