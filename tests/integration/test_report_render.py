@@ -31,10 +31,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("browser_required")]
 
 RUN_KINDS = ["sim", "engine-sim", "torch", "live"]  # run directories: report.html, report.md and summary.json
 PAGE_KINDS = ["compare", "sweep"]  # pages made of several runs
-# Per-point sections known to leave points out, {section: why}, while a fix is on its way: asserted in a test
-# of their own that is expected to fail until then, so that the check itself stays as strict as it is. Empty
-# since the tenant, workload and modality tables list every point (issue 16, point 3).
-KNOWN_INCOMPLETE: dict[str, str] = {}
 
 
 def assert_renders_cleanly(check):
@@ -132,26 +128,15 @@ def assert_is_a_picture(png):
     assert len(data) > 10_000, f"{png}: {len(data)} bytes: a blank page?"
 
 
-def _missing_points(run, known: bool | None = None):
-    """Per-point sections of the run's report.md that leave points out: {section: points}; `known`: only the
-    sections of KNOWN_INCOMPLETE (True), only the others (False), or all (None)."""
+def _missing_points(run):
+    """Per-point sections of the run's report.md that leave points out: {section: points}."""
     names = [p["name"] for p in json.loads((run / "summary.json").read_text())["points"]]
-    missing = points_missing_by_section((run / "report.md").read_text(), names)
-    return {s: m for s, m in missing.items() if known is None or (s in KNOWN_INCOMPLETE) == known}
+    return points_missing_by_section((run / "report.md").read_text(), names)
 
 
 @pytest.mark.parametrize("kind", RUN_KINDS)
 def test_every_per_point_section_names_every_point(runs, kind):
-    missing = _missing_points(_run(runs, kind), known=False)
-    assert not missing, f"per-point sections that leave points out: {missing}"
-
-
-@pytest.mark.xfail(strict=False, reason="; ".join(f"{s}: {why}" for s, why in KNOWN_INCOMPLETE.items()))
-@pytest.mark.parametrize("kind", RUN_KINDS)
-def test_known_incomplete_sections_name_every_point(runs, kind):
-    if not KNOWN_INCOMPLETE:
-        pytest.skip("no per-point section is known to leave points out")
-    missing = _missing_points(_run(runs, kind), known=True)
+    missing = _missing_points(_run(runs, kind))
     assert not missing, f"per-point sections that leave points out: {missing}"
 
 
@@ -282,7 +267,7 @@ def test_demo_index_and_every_demo_report_render(demo, shots):
         if check.screenshot is not None:
             assert_is_a_picture(shots(check.screenshot))
     # the demo's grids have the most points (multi-tenant: every policy × capacity, and the bounds)
-    missing = {r.parent.name: _missing_points(r.parent, known=False) for r in reports}
+    missing = {r.parent.name: _missing_points(r.parent) for r in reports}
     assert not {run: m for run, m in missing.items() if m}, f"per-point sections that leave points out: {missing}"
 
 
