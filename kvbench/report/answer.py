@@ -25,13 +25,19 @@ def _steady(p: dict) -> float:
 
 
 def bytes_per_block(summary: dict) -> float | None:
-    """KV bytes of one block under the run's --model geometry, or None when the run named none."""
-    from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS
+    """KV bytes of one block under the run's --model geometry (a preset or its --specs file), or None when the
+    run named none or it cannot be resolved any more (a specs file gone since): capacities then stay in blocks."""
+    from kvbench.cache.capacity import KV_DTYPE_BYTES
+    from kvbench.errors import KvbenchError
+    from kvbench.hardware import resolve_model
 
     config = summary.get("config") or {}
-    model = MODELS.get(str(config.get("model")))
     dtype = config.get("kv_dtype") or "bf16"
-    if model is None or dtype not in KV_DTYPE_BYTES:
+    if not config.get("model") or dtype not in KV_DTYPE_BYTES:
+        return None
+    try:
+        model = resolve_model(config["model"], config.get("specs") or None)
+    except (KvbenchError, KeyError, OSError, ValueError):
         return None
     return model.kv_bytes_per_token(dtype) * summary["trace"]["block_size"]
 

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvbench.report.answer import bytes_per_block
 from kvbench.report.page import Figure, Section, Table, pct, svg
 from kvbench.report.style import FULL_WIDTH, INFINITE_STYLE, count, line_style, log_ticks, plain, size
 from kvbench.report.tenants import MAX_GROUPS, breakdown_sections, fairness_section
@@ -73,21 +74,6 @@ def tier_section(requests: pa.Table | None) -> Section:
     return Section("Hit rate by tier", [Table(["point", "HBM", "DRAM", "SSD", "global pool", "all tiers"], rows)])
 
 
-def _block_bytes(summary: dict) -> float | None:
-    """Bytes one cache block holds when the run named a model geometry (--model), else None: capacities are
-    then read in blocks only, as nothing says how large a token's KV is."""
-    config = summary.get("config") or {}
-    if not config.get("model"):
-        return None
-    try:
-        from kvbench.hardware import resolve_model
-
-        model = resolve_model(config["model"], config.get("specs") or None)
-        return model.kv_bytes_per_token(config.get("kv_dtype") or "bf16") * summary["trace"]["block_size"]
-    except Exception:  # a specs file gone since the run, an unknown dtype: the report still shows blocks
-        return None
-
-
 def curve_section(summary: dict) -> Section:
     """Hit rate vs capacity: the one-pass curves, the swept points per policy (in the curve's colour), Belady
     (optimal with bypass) as the bound a real policy can approach, and the infinite cache as the bound nothing
@@ -127,7 +113,7 @@ def curve_section(summary: dict) -> Section:
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
     ax.grid(alpha=0.1, which="minor")
-    per_block = _block_bytes(summary)
+    per_block = bytes_per_block(summary)
     if per_block:
         # the bottom axis's labelled ticks in bytes along the top, so a capacity can be read as memory to buy
         steps = (1, 2, 5) if hi / lo < 100 else (1,)

@@ -15,7 +15,7 @@ SMALL_MULTIPLE = 3.6  # inches per panel in a grid of small plots
 # The two bounds are drawn the same everywhere too.
 BOUND_STYLE = {"color": "black", "linestyle": "--"}  # belady: the optimal policy
 INFINITE_STYLE = {"color": "grey", "linestyle": ":"}  # the infinite cache: nothing passes it
-_PALETTE = (
+PALETTE = (
     "#1f77b4",
     "#ff7f0e",
     "#2ca02c",
@@ -49,10 +49,10 @@ def colour(name: str) -> str:
         return BOUND_STYLE["color"]
     known = _policy_names()
     if name in known:
-        return _PALETTE[known.index(name) % len(_PALETTE)]
+        return PALETTE[known.index(name) % len(PALETTE)]
     # a name outside the registry (a backend, an engine, 'live'): a stable pick past the policies' colours
-    index = len(known) + sum(name.encode()) % max(len(_PALETTE) - len(known), 1)
-    return _PALETTE[index % len(_PALETTE)]
+    index = len(known) + sum(name.encode()) % max(len(PALETTE) - len(known), 1)
+    return PALETTE[index % len(PALETTE)]
 
 
 def line_style(name: str) -> dict:

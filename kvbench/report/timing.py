@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 from kvbench.live.latency import PERCENTILES
 from kvbench.report.page import Figure, Section, Table, pct, svg
-from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, duration, log_ticks, plain, time_axis
+from kvbench.report.style import FULL_WIDTH, PALETTE, SMALL_MULTIPLE, colour, duration, log_ticks, plain, time_axis
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("ttfo", "TTFO"))
 CDF_POINTS = 400  # quantiles drawn per CDF: enough for a smooth line, bounded for millions of requests
@@ -18,7 +18,6 @@ MS_TABLE_LIMIT_MS = 10_000.0  # a table whose times all stay below this reads be
 # ticks of a log time axis at round durations (1 ms … 10 s, 2 min, 20 min, 2 h, 20 h), not at decades of seconds
 LOG_TIME_TICKS = (1e-3, 1e-2, 0.1, 1.0, 10.0, 120.0, 1200.0, 7200.0, 72000.0)
 MAX_TENANTS = 30  # tenants listed per point; the rest are in summary.json (latency.by_tenant)
-_INDEX_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 
 def point_colours(points: list[dict]) -> dict[str, str]:
@@ -28,7 +27,7 @@ def point_colours(points: list[dict]) -> dict[str, str]:
     policies = [p.get("policy") for p in points]
     if all(policies) and len(set(policies)) == len(points):
         return {p["name"]: colour(pol) for p, pol in zip(points, policies)}
-    return {p["name"]: _INDEX_COLOURS[i % len(_INDEX_COLOURS)] for i, p in enumerate(points)}
+    return {p["name"]: PALETTE[i % len(PALETTE)] for i, p in enumerate(points)}
 
 
 def point_lines(points: list[dict]) -> dict[str, dict]:
