@@ -157,6 +157,8 @@ class Recorder:
         self.t0 = time.monotonic()
         self.seq = 0
         self.turns: dict[str, int] = {}
+        # session -> [its latest request's id, when that request's answer ended (s) or None while it runs]
+        self.latest: dict[str, list] = {}
         self.skipped = 0  # requests whose prompt could not be tokenized: forwarded, not recorded
         self.session: aiohttp.ClientSession | None = None
         self._pending: set[asyncio.Task] = set()
@@ -246,10 +248,16 @@ class Recorder:
             )
         finally:
             if row is not None:
+                self._ended(row)
                 tokens = tokens or self._start_tokenizing(body, request)
                 task = asyncio.create_task(self._record(row, tokens, reader, status))
                 self._pending.add(task)
                 task.add_done_callback(self._pending.discard)
+
+    def _ended(self, row: dict) -> None:
+        latest = self.latest.get(row["session_id"]) if row["session_id"] is not None else None
+        if latest is not None and latest[0] == row["request_id"]:
+            latest[1] = time.monotonic() - self.t0
 
     def _start_tokenizing(self, body: dict, request: web.Request) -> asyncio.Task:
         """Tokenize once the first bytes of the answer went to the client (or the request ended): the
@@ -274,17 +282,28 @@ class Recorder:
         """The row's fields known at arrival: its id, time and labels (no prompt text)."""
         o = self.options
         session = _label(request, body, o.session_header, o.session_field)
-        turn = None
+        self.seq += 1
+        request_id = f"rec-{self.seq:09d}"
+        turn = parent = think = None
         if session is not None:
+            # the session's previous request is this one's parent; the time since its answer ended is the
+            # client's think time, which a closed-loop replay (--pacing sessions) waits. A request sent while
+            # the previous one still ran has no think time (null, read as 0).
+            previous = self.latest.get(session)
             turn = self.turns.get(session, 0)
             self.turns[session] = turn + 1
+            if previous is not None:
+                parent = previous[0]
+                think = max(0.0, arrival - previous[1]) if previous[1] is not None else None
+            self.latest[session] = [request_id, None]
         model, salt = body.get("model"), body.get("cache_salt")
-        self.seq += 1
         return {
-            "request_id": f"rec-{self.seq:09d}",
+            "request_id": request_id,
             "arrival_s": arrival,
             "session_id": session,
             "turn": turn,
+            "parent_id": parent,
+            "think_time_s": think,
             "user_id": _label(request, body, o.user_header, o.user_field),
             "tenant": _label(request, body, o.tenant_header, o.tenant_field),
             "priority": _priority(_label(request, body, o.priority_header, o.priority_field)),

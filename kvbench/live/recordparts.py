@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvbench.errors import KvbenchError
@@ -97,6 +98,13 @@ def finish(out: Path) -> int:
     recording = json.loads(tables[0].schema.metadata[META_KEY])
     table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
     table = table.sort_by([("arrival_s", "ascending")])
+    if "parent_id" in table.column_names:
+        # a parent whose prompt could not be tokenized was forwarded but not recorded: its child starts afresh
+        parent = table.column("parent_id")
+        recorded = pc.is_in(parent, value_set=table.column("request_id").combine_chunks())
+        table = table.set_column(
+            table.column_names.index("parent_id"), "parent_id", pc.if_else(recorded, parent, pa.scalar(None, pa.string()))
+        )
     meta = new_meta(recording["block_size"], recording["source"])
     with TraceWriter(out, meta) as writer:
         writer.write(table)

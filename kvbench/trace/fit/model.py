@@ -42,7 +42,7 @@ def quantiles(values) -> list[float]:
 
 def by_length(values, lengths) -> dict:
     """Quantile tables of `values` per length bucket (powers of two: 1, 2-3, 4-7, … blocks or turns), for buckets
-    with at least BUCKET_MIN samples, and of all values ("all") for the rest. Conversations grow less per turn
+    with at least BUCKET_MIN samples, and of all values ("all"); `for_length` picks one. Conversations grow less per turn
     as they get longer (Mooncake: 9.7 new blocks after prompts under 10 blocks, 3.4 after 80 or more)."""
     values, lengths = np.asarray(values), np.asarray(lengths)
     bucket = length_bucket(lengths)
@@ -51,6 +51,18 @@ def by_length(values, lengths) -> dict:
         if np.sum(bucket == b) >= BUCKET_MIN:
             out[str(b)] = quantiles(values[bucket == b])
     return out
+
+
+def for_length(tables: dict, length: int) -> list[float]:
+    """The table `by_length` fitted for `length`: its own bucket's, else the nearest bucket's that has one (the
+    longer on a tie), else all values'. The nearest and not all values': a bucket too rare for its own table is
+    still more like its neighbours than like the bulk (Mooncake: branches sharing 64+ blocks are too few, and all
+    branches' reuse distances are mostly a popular system prompt's, a second or less, against minutes)."""
+    b = int(length_bucket(length))
+    own = [int(k) for k in tables if k != "all"]
+    if not own:
+        return tables["all"]
+    return tables[str(min(own, key=lambda k: (abs(k - b), -k)))]
 
 
 def length_bucket(lengths):

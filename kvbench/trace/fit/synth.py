@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.trace.blockhash import content_ids, name_key
-from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, at, draw, length_bucket
+from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, at, draw, for_length
 
 BRANCH_SEARCH = (
     256  # requests looked back for a branch's parent: bounds the cost of a prefix no prompt is long enough for
@@ -66,6 +66,12 @@ def _schedule(params: dict, scale: float, rng: np.random.Generator):
     return t[order], session[order], turn[order], turns
 
 
+def _branchable(prompt: np.ndarray, want: int, touched: dict[int, float], since: float) -> bool:
+    """Whether a prompt can be a branch's parent: long enough to share `want` blocks and differ after them, and
+    (for more than a root block) its first `want` blocks last touched no later than `since`."""
+    return bool(prompt.size >= want + 2 and (want <= 1 or touched[int(prompt[want - 1])] <= since))
+
+
 def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -> pa.Table:
     """The twin as a trace table: about requests x scale requests over the fitted duration."""
     if scale <= 0:
@@ -73,7 +79,6 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     bs = int(params["block_size"])
     rng = np.random.default_rng(seed)
     t, session, turn, turns = _schedule(params, scale, rng)
-    turn_bucket = [str(b) for b in length_bucket(turns).tolist()]
     n = t.size
     starts = params["sessions_start"]
     shared_start = rng.random(n) < starts["shared_prefix"]
@@ -98,17 +103,18 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     root_of = np.zeros(n, dtype=np.int64)
     members: list[list[int]] = []  # requests of each root prefix, in arrival order
     latest: dict[int, int] = {}  # session -> its latest turn so far
+    touched: dict[int, float] = {}  # block id -> arrival (s) of the latest request holding it
     step = max(1, n // 20)
     for i in range(n):
         s = int(session[i])
         if s in latest:
             kind[i], parent[i] = EXTEND, latest[s]
             pb = blocks[parent[i]]
-            table = ext["new_blocks"].get(str(int(length_bucket(pb.size))), ext["new_blocks"]["all"])
+            table = for_length(ext["new_blocks"], pb.size)
             keep, new = pb[: max(pb.size - int(ext_drop[i]), 0)], int(at(table, ext_new_u[i]))
         elif shared_start[i] and i > 0:
             want = int(br_shared[i])
-            lags = br["lag_s"].get(str(int(length_bucket(want))), br["lag_s"]["all"])
+            lags = for_length(br["lag_s"], want)
             lag = at(lags, br_lag_u[i], discrete=False)
             # the root prefix (first block) by its fitted popularity among the roots created so far, then the
             # latest request of that root that arrived at least `lag` seconds before this one (the first if none)
@@ -121,16 +127,21 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
                 pool = list(range(i))
             pos = max(bisect.bisect_right(pool, t[i] - lag, key=t.__getitem__) - 1, 0)
             # A branch shares part of a longer prompt (else it would be that prompt's next turn): go back to the
-            # latest one long enough to share `want` blocks and differ after them.
+            # latest one long enough to share `want` blocks and differ after them, whose shared prefix nothing
+            # touched since. The fitted lag is to the *latest* holder of the shared prefix, and later turns of a
+            # session, or earlier branches, hold it too: taking the request `lag` seconds back regardless would
+            # reuse blocks touched moments ago (Mooncake: 3x the original's hits on long shared prefixes at 1%
+            # capacity). A one-block root is held by nearly everything, so its lag is left to popularity.
+            since = t[i] - lag
             k = pos
-            while k > 0 and pos - k < BRANCH_SEARCH and lengths[pool[k]] < want + 2:
+            while k > 0 and pos - k < BRANCH_SEARCH and not _branchable(blocks[pool[k]], want, touched, since):
                 k -= 1
-            kind[i], parent[i] = BRANCH, pool[k] if lengths[pool[k]] >= want + 2 else pool[pos]
+            kind[i], parent[i] = BRANCH, pool[k] if _branchable(blocks[pool[k]], want, touched, since) else pool[pos]
             pb = blocks[parent[i]]
-            table = br["new_blocks"].get(turn_bucket[s], br["new_blocks"]["all"])
+            table = for_length(br["new_blocks"], turns[s])
             keep, new = pb[: min(want, pb.size)], int(at(table, head_u[i]))
         else:
-            table = params["fresh"]["blocks"].get(turn_bucket[s], params["fresh"]["blocks"]["all"])
+            table = for_length(params["fresh"]["blocks"], turns[s])
             keep, new = np.empty(0, np.uint64), max(int(at(table, head_u[i])), 1)
         if keep.size + new == 0:
             new = 1  # a prompt has at least one token
@@ -145,6 +156,7 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         next_id += new
         blocks.append(np.concatenate([keep, fresh]).astype(np.uint64))
         lengths[i] = blocks[-1].size
+        touched.update(dict.fromkeys(blocks[-1].tolist(), float(t[i])))
         if progress is not None and (i + 1) % step == 0:
             progress(i + 1, n)
 

@@ -168,6 +168,27 @@ def test_local_tokenizer_and_labels(fake_server, tmp_path):
     assert [r["priority"] for r in rows] == [80, None]  # out of the schema's 0-100: not invented
 
 
+def test_sessions_record_their_parent_and_think_time(fake_server, tmp_path):
+    """A session's request names the previous one as its parent, and the time since that one's answer ended as
+    think time, which `--pacing sessions` waits; a parent that was not recorded (untokenizable) is dropped."""
+    upstream = fake_server()
+    proxy = RunningRecorder(upstream.url, tmp_path / "s.parquet", session_header="X-Session-Id")
+    body = {"model": "m", "prompt": words(20), "max_tokens": 2}
+    post(proxy.url, "/v1/completions", body, {"X-Session-Id": "a"})
+    time.sleep(0.3)  # the user reads the answer
+    post(proxy.url, "/v1/completions", {**body, "prompt": words(30)}, {"X-Session-Id": "a"})
+    post(proxy.url, "/v1/completions", {**body, "prompt": [words(3), "two"]}, {"X-Session-Id": "b"})  # not recorded
+    post(proxy.url, "/v1/completions", body, {"X-Session-Id": "b"})
+    proxy.stop()
+    rows = read_valid_trace(tmp_path / "s.parquet")[0].to_pylist()
+    assert [(r["session_id"], r["turn"]) for r in rows] == [("a", 0), ("a", 1), ("b", 1)]
+    assert rows[0]["parent_id"] is None and rows[1]["parent_id"] == rows[0]["request_id"]
+    assert rows[0]["think_time_s"] is None and rows[1]["think_time_s"] >= 0.3
+    # the arrival gap is the answer's time plus the think time
+    assert rows[1]["arrival_s"] - rows[0]["arrival_s"] >= rows[1]["think_time_s"]
+    assert rows[2]["parent_id"] is None
+
+
 def words(n: int) -> str:
     return " ".join(f"w{i}" for i in range(n))
 
