@@ -18,7 +18,7 @@ from kvbench.cache.policy_options import check_quota_tenants, parse_policy_optio
 from kvbench.cache.prepared import PreparedTrace, prepare
 from kvbench.errors import KvbenchError
 from kvbench.options import option
-from kvbench.run.backend import PointResult, StreamedPoint
+from kvbench.run.backend import PointResult, Skipped, StreamedPoint
 from kvbench.trace.files import TraceMeta
 
 BOUND = "belady"
@@ -163,7 +163,8 @@ class SimBackend:
 
     def replay_stream(self, scanned, progress=None) -> Iterator[StreamedPoint]:
         """The same points as `replay`, each answering the trace chunk by chunk (bounded memory): policies
-        that can carry their cache across chunks only; the Belady bound (it needs the future) is left out."""
+        that can carry their cache across chunks only; the Belady bound (it needs the future) is left out, and
+        said to be (`Skipped`)."""
         if self.curve:
             raise KvbenchError("--curve needs the whole trace in memory; drop --curve or replay with --no-stream")
         if self.reference:
@@ -183,6 +184,12 @@ class SimBackend:
         for pol in pols:
             for cap in caps:
                 yield _StreamedPoint(self, pol, cap, scanned)
+        if self.bound and BOUND not in self.policies and caps:
+            yield Skipped(
+                f"{BOUND} bound",
+                f"a streamed replay ({scanned.block_references:,} block references) reads the trace once, forward, "
+                "and the bound needs each block's next use; replay with --no-stream for it, or --no-bound",
+            )
 
     def _point(self, pol, prep, blocks: int, text: str) -> PointResult:
         run = pol.reference if self.reference else pol.kernel

@@ -11,7 +11,7 @@ import click
 import pyarrow as pa
 
 from kvbench import __version__
-from kvbench.errors import KvbenchDeprecationWarning, KvbenchError
+from kvbench.errors import KvbenchDeprecationWarning, KvbenchError, KvbenchWarning
 
 # Library errors that are the user's input, not kvbench's bug: a file (or folder) named on the command line
 # that cannot be opened, read or written, and data that Arrow refuses on reading a user's file. kvbench's own
@@ -69,13 +69,13 @@ def main() -> None:
 
 
 def _one_line_warnings(show):
-    """kvbench's own deprecation warnings as one line on stderr, like its errors (Python's format names a
+    """kvbench's own warnings as one line on stderr, like its errors (Python's format names a
     source line of kvbench, which means nothing to a user); any other warning as Python shows it."""
     if getattr(show, "kvbench", False):
         return show
 
     def one_line(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, KvbenchDeprecationWarning):
+        if issubclass(category, (KvbenchDeprecationWarning, KvbenchWarning)):
             click.echo(f"kvbench: warning: {message}", err=True)
         else:
             show(message, category, filename, lineno, file, line)

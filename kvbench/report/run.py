@@ -53,6 +53,8 @@ def run_section(summary: dict, truncated: bool) -> Section:
         ["created (UTC)", summary.get("created", "–")],
         ["complete", "yes" if summary.get("complete") else "no (interrupted: the points below finished)"],
     ]
+    for part in summary.get("skipped") or []:
+        rows.append(["skipped", f"{part['what']}: {part['why']}"])
     items: list = [Table(["run", ""], rows)]
     if truncated:
         items.append(f"Per-request plots use the first {MAX_REPORT_ROWS:,} rows of requests.parquet.")

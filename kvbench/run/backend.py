@@ -15,7 +15,7 @@ path per protocol (it never probes for methods):
   memory (`kvbench replay --stream`): `replay_stream` yields one `StreamedPoint` per configuration point,
   which the runner feeds the trace chunk by chunk. The runner reads the chunks and owns what is made of the
   answers (requests.parquet, the summary's metrics), so nothing per request outlives its chunk, whatever the
-  length of the trace.
+  length of the trace. Either protocol yields a `Skipped` for a part it was asked for and left out.
 - `OnlineBackend` (kind "online") answers requests one at a time over the network: the core's dispatcher
   (`kvbench.live.pacing`) sends each request with `send` at its scheduled time, inside `connect`.
 
@@ -71,6 +71,16 @@ class PointResult:
         return point_name(self.labels)
 
 
+@dataclass
+class Skipped:
+    """A part of the run a backend was asked for and left out (e.g. the Belady bound of a streamed replay):
+    `replay` or `replay_stream` yields it in place of that part's points, and the runner says so on the terminal
+    and in summary.json's `skipped`, so a run never looks as if it measured what it did not."""
+
+    what: str  # e.g. "belady bound"
+    why: str  # the reason and what to do instead
+
+
 class StreamedPoint(Protocol):
     """One configuration's answers to a streamed trace. The runner calls `answer` with every chunk of the
     trace in row order, then `finish` once."""
@@ -123,7 +133,8 @@ class StreamingBackend(OfflineBackend, Protocol):
     kind: ClassVar[Literal["streaming"]]
 
     def replay_stream(self, scanned: ScannedTrace, progress: ProgressCallback | None = None) -> Iterator[StreamedPoint]:
-        """The points of `replay`, each answering the trace chunk by chunk (`StreamedPoint`)."""
+        """The points of `replay`, each answering the trace chunk by chunk (`StreamedPoint`), and a `Skipped`
+        for any part of them that cannot be streamed."""
         ...
 
 

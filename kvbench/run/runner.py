@@ -7,6 +7,7 @@ import datetime as _dt
 import json
 import platform
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -16,11 +17,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench import __version__
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchError, KvbenchWarning
 from kvbench.live.distributed import run_distributed
 from kvbench.live.replay import run_live
 from kvbench.redact import redact, redact_text
-from kvbench.run.backend import OfflineBackend, OnlineBackend, PointResult, StreamedPoint, StreamingBackend, protocol_of
+from kvbench.run.backend import (
+    OfflineBackend,
+    OnlineBackend,
+    PointResult,
+    Skipped,
+    StreamedPoint,
+    StreamingBackend,
+    protocol_of,
+)
 from kvbench.run.plugins import load_backend
 from kvbench.run.results import WRITE_ROWS, ResultWriter
 from kvbench.run.rundir import RunDir, stamp
@@ -58,7 +67,15 @@ def _open_trace(trace_path: Path, stream: bool | None, warmup: float) -> _Trace:
     """A trace over STREAM_BLOCK_REFS block references (or any, with stream=True) is scanned, to be read
     again chunk by chunk; otherwise it is read whole, which is faster."""
     if stream is None:
-        stream = block_references(trace_path) > STREAM_BLOCK_REFS
+        refs = block_references(trace_path)
+        stream = refs > STREAM_BLOCK_REFS
+        if stream:
+            warnings.warn(
+                f"{trace_path.name} has {refs:,} block references, over the {STREAM_BLOCK_REFS:,} read whole: "
+                "replaying it streamed, in bounded memory (--no-stream reads it whole)",
+                KvbenchWarning,
+                stacklevel=2,
+            )
     if stream:
         s = scan_trace(trace_path, warmup=warmup)
         facts = {"fingerprint": s.fingerprint, "requests": s.n_requests, "block_references": s.block_references}
@@ -303,6 +320,9 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
         else:
             points = backend.replay_stream(scanned, progress=progress)
         for point in points:
+            if isinstance(point, Skipped):
+                _skipped(run_dir, summary, point)
+                continue
             if scanned is not None or "hit_blocks" in point.columns:
                 point, totals = _write_and_sum(point, trace, writer, warmup)
                 record = {"name": point.name, **point.labels, **totals, **point.extra}
@@ -324,6 +344,12 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
     finally:
         writer.close()
         _finish(run_dir, summary, report, trace.table if scanned is None else None)
+
+
+def _skipped(run_dir: Path, summary: dict, part: Skipped) -> None:
+    summary.setdefault("skipped", []).append({"what": part.what, "why": part.why})
+    _write_summary(run_dir, summary)
+    warnings.warn(f"{part.what} skipped: {part.why}", KvbenchWarning, stacklevel=2)
 
 
 def _write_and_sum(point, trace: _Trace, writer: ResultWriter, warmup: float) -> tuple[PointResult, dict]:
