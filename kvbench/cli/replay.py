@@ -10,7 +10,7 @@ import click
 
 from kvbench.cli.render import console
 from kvbench.errors import KvbenchError
-from kvbench.live.distributed import EXECUTORS
+from kvbench.run.runner import LIVE_EXECUTORS
 from kvbench.redact import redact_argv
 from kvbench.run.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
 from kvbench.run.plugins import backend_names, load_backend
@@ -114,7 +114,7 @@ class ReplayCommand(click.Command):
 )
 @click.option(
     "--executor",
-    type=click.Choice(EXECUTORS),
+    type=click.Choice(LIVE_EXECUTORS),
     default="local",
     show_default=True,
     help="local: one client in this process (--workers 1 only); ray: each worker a Ray actor, its results merged "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from kvbench.cli import LazyGroup
 from kvbench.cli.render import console, info_markdown, print_info
 from kvbench.errors import KvbenchError
 from kvbench.trace import generators, importers
@@ -19,7 +20,14 @@ from kvbench.trace.stats import DEFAULT_WARMUP
 from kvbench.trace.validation import check, read_valid_trace
 
 
-@click.group()
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "anonymize": "kvbench.cli.trace_anonymize:anonymize_command",
+        "fit": "kvbench.cli.trace_fit:trace_fit",
+        "record": "kvbench.cli.trace_record:record",
+    },
+)
 def trace() -> None:
     """Create and inspect workload traces (Parquet, schema v1)."""
 

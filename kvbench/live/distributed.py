@@ -37,7 +37,6 @@ START_MARGIN_S = 2.0  # the shared start is this far after the workers are place
 POLL_S = 0.5  # how often the driver collects answered requests from the workers
 STOP_WAIT_S = 15.0  # after Ctrl-C, how long a worker may take to report what it cancelled
 PLACE_WAIT_S = 120.0  # how long workers may wait for a place in the cluster (1 CPU each)
-EXECUTORS = ("local", "ray")
 
 
 def unit_names(table: pa.Table) -> list[str]:

@@ -18,8 +18,6 @@ import pyarrow.compute as pc
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError, KvbenchWarning
-from kvbench.live.distributed import run_distributed
-from kvbench.live.replay import run_live
 from kvbench.redact import redact, redact_text
 from kvbench.run.backend import (
     OfflineBackend,
@@ -166,6 +164,9 @@ def run_replay(
         raise
 
 
+LIVE_EXECUTORS = ("local", "ray")  # where a live run's load generators run: this process, or Ray actors
+
+
 def check_executor(workers: int, executor: str, online: bool, ray_address: str = "") -> None:
     """The options of a distributed live run (`kvbench.live.distributed`) fit the backend and each other."""
     if (workers > 1 or executor != "local") and not online:
@@ -252,6 +253,10 @@ def _check_resumable(out: Path, config: dict, force: bool) -> None:
 def _run_online(backend: OnlineBackend, backend_name, backend_options, trace, run_dir, summary, warmup, progress,
                 report, resume, workers, executor, ray_address) -> None:  # fmt: skip
     """The online protocol: requests sent one at a time by the dispatcher, in this process or Ray workers."""
+    # imported here: a simulator's run never needs the live client (aiohttp, Ray's pickling: 0.15 s of start-up)
+    from kvbench.live.distributed import run_distributed
+    from kvbench.live.replay import run_live
+
     _write_summary(run_dir, summary)
     try:
         if executor == "ray":
