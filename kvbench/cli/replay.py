@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import sys
 
 import click
 
-from kvbench.cli.render import console
 from kvbench.errors import KvbenchError
-from kvbench.run.runner import LIVE_EXECUTORS
 from kvbench.redact import redact_argv
 from kvbench.run.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
 from kvbench.run.plugins import backend_names, load_backend
+from kvbench.run.runner import LIVE_EXECUTORS
 from kvbench.run.saturation import describe as describe_saturation
 from kvbench.trace.stats import DEFAULT_WARMUP
 
@@ -152,17 +152,8 @@ def replay(
 
     if backend not in backend_names():
         raise KvbenchError(f"unknown backend {backend!r}; installed: {', '.join(backend_names())}")
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    columns = (
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("replaying", total=None)
+    with _progress_bar() as bar:
+        task = bar.add_task("replaying", total=None) if bar else None
         failed = 0
 
         def progress(item):
@@ -182,7 +173,7 @@ def replay(
             out=out,
             warmup=warmup,
             command=shlex.join(redact_argv(["kvbench", *sys.argv[1:]])),
-            progress=progress,
+            progress=progress if bar else None,
             report=report,
             stream=stream,
             resume=resume,
@@ -207,6 +198,19 @@ def replay(
         _print_points(summary)
         click.echo(f"results in {run_dir}/ (summary.json, requests.parquet{', report.html' if report else ''})")
     _exit_status(summary, run_dir, max_failure_rate)
+
+
+def _progress_bar():
+    """A progress bar on stderr when it is a terminal; none when it is a pipe or a log, where a bar is noise
+    (and rich's import is a tenth of a second of a short simulation)."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kvbench.cli.render import console
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=True)
 
 
 def _token_hit_rate(point: dict) -> str:

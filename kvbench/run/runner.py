@@ -313,12 +313,15 @@ def _live_saturation(run_dir: Path, summary: dict) -> None:
                 point["saturation"] = verdict
 
 
+OFFLINE_COMMIT_S = 1.0  # offline points' rows and summary are made durable at most this often (results.ResultWriter)
+
+
 def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progress, report) -> None:
     """The offline protocols: whole points (`replay`), or streamed ones (`StreamingBackend.replay_stream`) when
     the trace was scanned to be read chunk by chunk. `progress` gets each backend's `Progress` and each point."""
     meta, scanned = trace.meta, trace.scanned
     _write_summary(run_dir, summary)
-    writer = ResultWriter(run_dir / "requests.parquet")
+    writer = ResultWriter(run_dir / "requests.parquet", commit_every_s=OFFLINE_COMMIT_S)
     try:
         if scanned is None:
             points = backend.replay(trace.table, meta, progress=progress)
@@ -326,21 +329,25 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
             points = backend.replay_stream(scanned, progress=progress)
         for point in points:
             if isinstance(point, Skipped):
-                _skipped(run_dir, summary, point)
+                _skipped(summary, point)
                 continue
             if scanned is not None or "hit_blocks" in point.columns:
                 point, totals = _write_and_sum(point, trace, writer, warmup)
                 record = {"name": point.name, **point.labels, **totals, **point.extra}
-                if scanned is None:  # a streamed point keeps no per-request columns (bounded memory)
+                # time modeled (engine-sim) has a saturation verdict; a cache simulation has none. A streamed
+                # point keeps no per-request columns (bounded memory).
+                if scanned is None and "scheduled_send_s" in point.columns:
                     table = trace.table
                     workloads = table.column("workload").to_pylist() if "workload" in table.column_names else None
                     verdict = saturation(point.columns, table.column("input_tokens").to_numpy(), workloads)
-                    if verdict is not None:  # time modeled (engine-sim); a cache simulation has none
+                    if verdict is not None:
                         record["saturation"] = verdict
                 summary["points"].append(record)
             if "curve" in point.extra:
                 summary["curves"].append({**point.labels, **point.extra["curve"]})
-            _write_summary(run_dir, summary)
+            if writer.commit_due():  # the summary on disk lists only points whose rows are durable
+                writer.commit()
+                _write_summary(run_dir, summary)
             if progress is not None:
                 progress(point)
         summary["complete"] = True
@@ -351,9 +358,8 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
         _finish(run_dir, summary, report, trace.table if scanned is None else None)
 
 
-def _skipped(run_dir: Path, summary: dict, part: Skipped) -> None:
-    summary.setdefault("skipped", []).append({"what": part.what, "why": part.why})
-    _write_summary(run_dir, summary)
+def _skipped(summary: dict, part: Skipped) -> None:
+    summary.setdefault("skipped", []).append({"what": part.what, "why": part.why})  # written with the points
     warnings.warn(f"{part.what} skipped: {part.why}", KvbenchWarning, stacklevel=2)
 
 

@@ -26,11 +26,16 @@ _MAX_PIECES = 1 << 16
 
 
 def _powers(n: int) -> np.ndarray:
+    """_RADIX**i mod 2**64 for i < n, by doubling: R**(m+i) = R**i * R**m, so log2(n) vector products instead
+    of n scalar ones (which took 40-90 ms of every kvbench start-up)."""
     out = np.empty(n, dtype=np.uint64)
     out[0] = 1
+    m = 1
     with np.errstate(over="ignore"):
-        for i in range(1, n):
-            out[i] = out[i - 1] * _RADIX
+        while m < n:
+            k = min(m, n - m)
+            out[m : m + k] = out[:k] * (out[m - 1] * _RADIX)
+            m += k
     return out
 
 

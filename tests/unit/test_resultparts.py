@@ -153,3 +153,33 @@ def test_report_of_a_run_with_a_torn_results_file_names_the_file(tmp_path):
     torn.write_bytes(torn.read_bytes()[:1000])  # the footer never written
     result = CliRunner().invoke(main, ["report", str(run_dir)])
     assert result.exit_code == 2 and f"{torn}: not a readable Parquet file" in result.output, result.output
+
+
+def test_held_rows_are_durable_only_once_committed_and_a_short_run_writes_one_file(tmp_path):
+    """An offline run holds its rows (commit_every_s > 0): nothing is on disk before `commit()` (a kill then
+    loses only what the summary does not list yet), a commit makes one part, and a run that never committed
+    writes requests.parquet at once, without parts."""
+    trace = pa.table(
+        {"request_id": ["a", "b", "c"], "tenant": ["t"] * 3, "workload": ["chat"] * 3, "input_tokens": [1, 2, 3],
+         "output_tokens": [1, 1, 1]}  # fmt: skip
+    )
+    point = PointResult({"policy": "lru"}, {"hit_blocks": pa.array([0, 1, 2]).to_numpy()})
+
+    held = tmp_path / "held" / "requests.parquet"
+    held.parent.mkdir()
+    writer = ResultWriter(held, commit_every_s=3600)
+    writer.write(trace, point)
+    assert not writer.commit_due() and list_parts(held) == [] and read_requests(held.parent).num_rows == 0
+    writer.commit()
+    assert len(list_parts(held)) == 1 and read_requests(held.parent).num_rows == 3
+    writer.write(trace, PointResult({"policy": "fifo"}, point.columns))
+    writer.close()
+    assert list_parts(held) == [] and read_requests(held.parent).num_rows == 6
+
+    short = tmp_path / "short" / "requests.parquet"
+    short.parent.mkdir()
+    writer = ResultWriter(short, commit_every_s=3600)
+    writer.write(trace, point)
+    writer.close()
+    assert not parts_dir(short).exists()
+    assert pq.read_table(short).column("hit_blocks").to_pylist() == [0, 1, 2]
