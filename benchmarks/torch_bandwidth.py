@@ -13,7 +13,9 @@ the batch's size: after a while a cache's free list is in no order, so this is t
 coalesced mode is also measured from and to contiguous slots (one run: its best case). Each rate is shown
 beside the rate of one contiguous copy of the same byte size between the same kinds of memory
 (`bandwidth.baseline_bytes_per_s`) and beside the datasheet peak (`bandwidth.peak_bytes_per_s` of the
-detected or `--hardware` preset). After timing, the moved blocks are compared byte for byte (`ok`).
+detected or `--hardware` preset). Block mode between tensor pools is also timed, in turns, against the plain
+per-block `copy_` loop one would write over the same pools and slots (`vs_naive_loop`: above 1, the Mover is
+faster). After timing, the moved blocks are compared byte for byte (`ok`).
 
 The disk tier is read through the page cache unless --disk-sync is given (then writes are fdatasync'ed and
 dropped from the cache, and the file is dropped from the cache before each timed read). The sweep stops
@@ -148,10 +150,26 @@ def fetch(pool, slots: list[int]) -> torch.Tensor:
     return buf.view(torch.uint8)
 
 
+def naive_loop(src, ss: list[int], dst, ds: list[int]) -> float:
+    """Seconds of the plain per-block loop one would write over the same pools and slots, the bar `block` mode
+    must clear: `dst.data[d].copy_(src.data[s])` per block (`select` in either layout)."""
+    cuda = src.data.device.type == "cuda" or dst.data.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s, d in zip(ss, ds):
+        dst.data.select(dst.dim, d).copy_(src.data.select(src.dim, s))
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def measure(a, mover: Mover, direction: str, src, dst, ss: list[int], ds: list[int]) -> dict:
-    times = []
+    times, naive = [], []
     t = mover.traffic[direction]  # one Mover serves several cells: count this cell's moves as differences
     calls, copies = t.calls, t.copies
+    # block mode between tensor pools is timed beside the naive loop, in turns (one noise for both)
+    against_naive = mover.mode == "block" and src.kind == dst.kind == "tensor"
     for rep in range(a.repeats + 1):
         if a.disk_sync and src.kind == "disk":  # make the read come from the drive again
             os.posix_fadvise(src.fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -159,9 +177,18 @@ def measure(a, mover: Mover, direction: str, src, dst, ss: list[int], ds: list[i
         mover.copy(direction, src, ss, dst, ds)
         if rep:  # the first move allocates staging buffers and faults pages in: untimed
             times.append(t.seconds - before)
+        if against_naive:
+            elapsed = naive_loop(src, ss, dst, ds)
+            if rep:
+                naive.append(elapsed)
     nbytes = len(ss) * src.geometry.block_bytes
     best, med = min(times), statistics.median(times)
+    extra = {}
+    if naive:
+        extra = {"naive_loop_median_gb_per_s": nbytes / statistics.median(naive) / 1e9,
+                 "vs_naive_loop": statistics.median(naive) / med}  # fmt: skip
     return {
+        **extra,
         "copies_per_move": (t.copies - copies) / (t.calls - calls),
         "best_s": best,
         "median_s": med,
@@ -309,7 +336,7 @@ def fmt(v, spec: str) -> str:
 def print_table(result: dict) -> None:
     head = (
         f"{'tok':>4} {'layout':11} {'mode':9} {'slots':10} {'direction':9} {'blocks':>6} {'MiB':>7} "
-        f"{'GB/s':>7} {'median':>7} {'base':>7} {'x base':>6} {'peak':>6} {'x peak':>6} ok"
+        f"{'GB/s':>7} {'median':>7} {'base':>7} {'x base':>6} {'peak':>6} {'x peak':>6} ok  x naive loop"
     )
     print(head + "\n" + "-" * len(head))
     for r in result["rows"]:
@@ -323,7 +350,7 @@ def print_table(result: dict) -> None:
         print(
             lead + f"{fmt(r['gb_per_s'], '7.2f')} {fmt(r['median_gb_per_s'], '7.2f')} "
             f"{fmt(r['baseline_gb_per_s'], '7.2f')} {fmt(r['vs_baseline'], '6.2f')} {fmt(r['peak_gb_per_s'], '6.1f')} "
-            f"{fmt(r['vs_peak'], '6.2f')} {'yes' if r['ok'] else 'NO'}"
+            f"{fmt(r['vs_peak'], '6.2f')} {'yes' if r['ok'] else 'NO '} {fmt(r.get('vs_naive_loop'), '6.2f')}"
         )
 
 

@@ -127,14 +127,19 @@ class Mover:
         nb = self.cuda and (src.pinned or dst.pinned)
         if self.mode == "block":
             for s, d in zip(ss, ds):
-                dst.run(d, 1).copy_(src.run(s, 1), non_blocking=nb)
+                dst.block(d).copy_(src.block(s), non_blocking=nb)
             return len(ss)
         if self.mode == "coalesced":
             rr = runs(ss, ds)
             for s, d, n in rr:
-                dst.run(d, n).copy_(src.run(s, n), non_blocking=nb)
+                if n == 1:  # scattered slots make many runs of one: the per-block view is the cheaper one
+                    dst.block(d).copy_(src.block(s), non_blocking=nb)
+                else:
+                    dst.run(d, n).copy_(src.run(s, n), non_blocking=nb)
             return len(rr)
-        staged = src.gather(torch.tensor(ss, device=src.data.device))
+        on_host = src.data.device.type == "cpu"
+        out = self.host_staging((len(ss), *src.geometry.block_shape), src.bits.dtype, "gather") if on_host else None
+        staged = src.gather(torch.tensor(ss, device=src.data.device), out)
         if dst.data.device != staged.device:
             landing = (
                 self.host_staging(tuple(staged.shape), staged.dtype, "landing")
