@@ -3,29 +3,37 @@
 
 Usage (from the repository root):
 
-    python benchmarks/peers.py [TRACE.jsonl] [--parquet PARQUET] [--repeat N] [--out JSON]
+    python benchmarks/peers.py [TRACE.jsonl] [--parquet PARQUET] [--rounds N] [--out JSON]
 
-    TRACE.jsonl  the Mooncake conversation trace as JSONL, for kvcache-simulator
+    TRACE.jsonl  the Mooncake conversation trace as JSONL, for kvcache-simulator and libCacheSim
                  (default: ../shared/traces/mooncake/conversation_trace.jsonl)
     --parquet    the same trace as kvbench parquet (default: traces/mooncake/conversation_trace.parquet)
-    --repeat     timed runs of each whole-process command; the table shows the fastest (default 3)
+    --rounds     interleaved rounds of the whole-process commands; medians are reported (default 5)
     --out        where the results go (default: benchmarks/results/peers.json)
 
-What it measures:
+Whole processes (start-up, trace reading, simulation, output), each command once per round, the commands in
+the same order every round so that machine noise falls on all of them alike; medians of the rounds:
 
-(a) `kvcache-simulator run` (kvcache.ai, C++ core; pip-installed here if missing) with its policy "lru",
-    which is a leaf-first LRU on the prefix trie (kvbench's `radix-lru`), over 8 capacities. Its budgets are
-    GiB of a model: with llama-3.1-8b (bf16, 128 KiB of KV per token) a 512-token block is 64 MiB, so a
-    budget of C/16 GiB is exactly C blocks; the block counts it reports are checked and recorded. One
-    untimed run first builds its C++ core (cached in the temp dir), so that compilation is not timed.
-(b) `kvbench replay ... --backend sim --policy radix-lru --capacity <the same blocks> --json`, with
-    `--no-bound --no-report` so that both sides compute the same thing (no Belady run, no HTML report).
-    Its compiled kernels (numba.pycc AOT module) are built, and one untimed run made, before timing.
-    Both (a) and (b) are timed as whole processes (start-up, trace reading, simulation, output), and their
-    steady-state hit rates are compared point by point.
-(c) In process, one capacity (10,000 blocks): a pure-Python OrderedDict block LRU (the usual quick script)
-    against kvbench's `lru` numba kernel, as block references per second; kvbench's figure includes
-    `prepare` (isolation folding + densification). Also densify + kernel alone, and the one-pass curve.
+(a) 8 capacities. `kvcache-simulator run` (kvcache.ai, C++ core; pip-installed here if missing) with its
+    policy "lru", a leaf-first LRU on the prefix trie (kvbench's `radix-lru`). Its budgets are GiB of a
+    model: with llama-3.1-8b (bf16, 128 KiB of KV per token) a 512-token block is 64 MiB, so a budget of C/16
+    GiB is exactly C blocks; the block counts it reports are checked and recorded. Against it `kvbench replay
+    ... --policy radix-lru --capacity <the same blocks> --no-bound --no-report --json` (the same work), and
+    the same with kvbench's default Belady bound, whose cost is the difference. Steady-state hit rates are
+    compared point by point.
+(b) 1 capacity (IN_PROCESS_CAPACITY blocks), block LRU. libCacheSim's Python binding (`libcachesim`, C core;
+    pip-installed here if missing) replaying the trace's block ids from its own binary oracleGeneral file
+    (the fastest input it reads, written beforehand, untimed), against `kvbench replay --policy lru
+    --capacity N --no-bound --no-report --json`. Their cache contents are the same (every block of a request
+    touched in order); libCacheSim counts a hit per block reference, kvbench the leading run of a prompt's
+    blocks (what prefill skips), so kvbench's block hit rate is at most libCacheSim's.
+
+Untimed first: one run of each command (kvcache-simulator builds its C++ core, kvbench builds its compiled
+kernels and byte-compiles its modules, as a wheel install does), so no compilation is timed.
+
+(c) In process, one capacity (IN_PROCESS_CAPACITY blocks): a pure-Python OrderedDict block LRU (the usual
+    quick script) against kvbench's kernels, as block references per second (medians of many runs);
+    "prepare included" counts isolation folding and id densification.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import argparse
 import json
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,79 +59,43 @@ PEER_MODEL = "llama-3.1-8b"
 BLOCKS_PER_GIB = 16  # llama-3.1-8b, bf16: 131072 B/token x 512 tokens = 64 MiB per block
 BLOCK_SIZE = 512
 IN_PROCESS_CAPACITY = 10_000
-
-
-def _timed(cmd: list[str], repeat: int) -> tuple[list[float], subprocess.CompletedProcess]:
-    times, proc = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        times.append(time.perf_counter() - t0)
-        if proc.returncode != 0:
-            break
-    return times, proc
+LIBCACHESIM_RUN = (
+    "import sys, libcachesim as lcs; "
+    "reader = lcs.TraceReader(sys.argv[1], lcs.TraceType.ORACLE_GENERAL_TRACE); "
+    "miss, _ = lcs.LRU(cache_size=int(sys.argv[2])).process_trace(reader); print(1 - miss)"
+)
 
 
 def _tail(text: str, lines: int = 8) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def ensure_kvcache_simulator() -> str | None:
-    exe = shutil.which("kvcache-simulator")
-    if exe:
-        return exe
-    print("kvcache-simulator not found: pip install kvcache-simulator ...", file=sys.stderr)
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "kvcache-simulator"], capture_output=True, text=True)
+def _ensure(dist: str, probe: list[str]) -> bool:
+    """Whether `probe` runs, after pip-installing `dist` if it did not."""
+    if subprocess.run(probe, capture_output=True).returncode == 0:
+        return True
+    print(f"{dist} not found: pip install {dist} ...", file=sys.stderr)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", dist], capture_output=True, text=True)
     if r.returncode != 0:
         print(f"  pip failed:\n{_tail(r.stderr)}", file=sys.stderr)
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def kvcache_simulator_cmd(jsonl: Path, tmp: Path) -> list[str] | None:
+    exe = shutil.which("kvcache-simulator") or str(Path(sys.executable).parent / "kvcache-simulator")
+    if not _ensure("kvcache-simulator", [exe, "--help"]):
         return None
-    return shutil.which("kvcache-simulator") or str(Path(sys.executable).parent / "kvcache-simulator")
-
-
-def run_peer(jsonl: Path, repeat: int, tmp: Path) -> dict:
-    exe = ensure_kvcache_simulator()
-    if exe is None:
-        return {"ok": False, "error": "kvcache-simulator is not installed and pip could not install it"}
-    if not jsonl.exists():
-        return {"ok": False, "error": f"{jsonl} not found (give the JSONL trace as the first argument)"}
-    out = tmp / "kvcache-simulator.json"
     budgets = ",".join(repr(c / BLOCKS_PER_GIB) for c in CAPACITIES)
-    cmd = [
-        exe,
-        "run",
-        "--trace",
-        str(jsonl),
-        "--model",
-        PEER_MODEL,
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--budgets-gib",
-        budgets,
-        "--policies",
-        "lru",
-        "--format",
-        "json",
-        "--no-progress",
-        "-o",
-        str(out),
-    ]
-    t0 = time.perf_counter()
-    first = subprocess.run(cmd, capture_output=True, text=True)  # builds the C++ core once (cached)
-    first_s = time.perf_counter() - t0
-    if first.returncode != 0:
-        return {"ok": False, "command": cmd, "error": f"exit {first.returncode}: {_tail(first.stderr)}"}
-    times, proc = _timed(cmd, repeat)
-    if proc.returncode != 0:
-        return {"ok": False, "command": cmd, "error": f"exit {proc.returncode}: {_tail(proc.stderr)}"}
-    data = json.loads(out.read_text())
+    return [exe, "run", "--trace", str(jsonl), "--model", PEER_MODEL, "--block-size", str(BLOCK_SIZE),
+            "--budgets-gib", budgets, "--policies", "lru", "--format", "json", "--no-progress",
+            "-o", str(tmp / "kvcache-simulator.json")]  # fmt: skip
+
+
+def read_kvcache_simulator(cmd: list[str], proc) -> dict:
+    data = json.loads(Path(cmd[-1]).read_text())
     points = {int(p["cacheBlocks"]): p["results"]["lru"]["hitRate"] for p in data["points"]}
     return {
-        "ok": True,
-        "command": cmd,
         "version": _pip_version("kvcache-simulator"),
-        "first_run_s": first_s,
-        "wall_s": times,
-        "best_s": min(times),
         "bytes_per_block": data["metadata"]["bytesPerBlock"],
         "capacity_blocks_used": sorted(points),
         "capacities_match": sorted(points) == CAPACITIES,
@@ -130,58 +103,73 @@ def run_peer(jsonl: Path, repeat: int, tmp: Path) -> dict:
     }
 
 
-def run_kvbench_replay(parquet: Path, repeat: int, tmp: Path) -> dict:
-    exe = shutil.which("kvbench")
-    if exe is None:
-        return {"ok": False, "error": "the kvbench command is not on PATH (pip install -e . in the repository)"}
-    cmd = [
-        exe,
-        "replay",
-        str(parquet),
-        "--backend",
-        "sim",
-        "--policy",
-        "radix-lru",
-        "--capacity",
-        ",".join(map(str, CAPACITIES)),
-        "--no-bound",
-        "--no-report",
-        "--json",
-        "--overwrite",  # each round replaces the last one's run
-        "--out",
-        str(tmp / "kvbench-run"),
-    ]
-    # As for the peer's C++ core: build the compiled kernels (the AOT module a first run starts building in the
-    # background) and make one untimed run, so that neither compilation nor a cold numba cache is timed.
-    t0 = time.perf_counter()
-    build = "from kvbench.cache.compiled import build; print(build())"
-    built = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, cwd=REPO)
-    warm = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    first_s = time.perf_counter() - t0
-    if warm.returncode != 0:
-        return {"ok": False, "command": cmd, "error": f"exit {warm.returncode}: {_tail(warm.stderr)}"}
-    times, proc = _timed(cmd, repeat)
-    if proc.returncode != 0:
-        hint = " (is `kvbench replay` implemented yet?)" if "No such command" in proc.stderr else ""
-        return {"ok": False, "command": cmd, "error": f"exit {proc.returncode}{hint}: {_tail(proc.stderr)}"}
-    try:
-        summary = json.loads(proc.stdout)
-        points = {
-            int(p["capacity_blocks"]): p["hit_rate"]["token"]["steady"]
-            for p in summary["points"]
-            if p.get("policy") == "radix-lru"
-        }
-    except (ValueError, KeyError, TypeError) as e:
-        return {"ok": False, "command": cmd, "wall_s": times, "error": f"could not read --json output: {e!r}"}
+def kvbench_cmd(parquet: Path, tmp: Path, policy: str, capacities: list[int], bound: bool) -> list[str]:
+    exe = shutil.which("kvbench") or "kvbench"
+    name = f"kvbench-{policy}-{len(capacities)}-{'bound' if bound else 'nobound'}"
+    return [exe, "replay", str(parquet), "--backend", "sim", "--policy", policy,
+            "--capacity", ",".join(map(str, capacities)), "--bound" if bound else "--no-bound", "--no-report",
+            "--json", "--overwrite", "--out", str(tmp / name)]  # fmt: skip  (--overwrite: each round replaces the last)
+
+
+def read_kvbench(cmd: list[str], proc) -> dict:
+    summary = json.loads(proc.stdout)
+    policy = cmd[cmd.index("--policy") + 1]
+    points = [p for p in summary["points"] if p.get("policy") == policy]
     return {
-        "ok": True,
-        "command": cmd,
-        "aot_module": built.stdout.strip() or None,
-        "first_run_s": first_s,
-        "wall_s": times,
-        "best_s": min(times),
-        "token_steady": {str(c): points[c] for c in sorted(points)},
+        "token_steady": {str(p["capacity_blocks"]): p["hit_rate"]["token"]["steady"] for p in points},
+        "block_all": {str(p["capacity_blocks"]): p["hit_rate"]["block"]["all"] for p in points},
+        "bound_points": sum(p.get("policy") == "belady" for p in summary["points"]),
     }
+
+
+def libcachesim_cmd(jsonl: Path, tmp: Path) -> list[str] | None:
+    """libCacheSim's binding on the trace's block ids, in its oracleGeneral binary format (24 bytes a
+    reference: time, id, size 1, next access unknown), written here, untimed."""
+    if not _ensure("libcachesim", [sys.executable, "-c", "import libcachesim"]):
+        return None
+    import numpy as np
+
+    ids: list[int] = []
+    with open(jsonl) as f:
+        for line in f:
+            ids.extend(json.loads(line)["hash_ids"])
+    rec = np.zeros(len(ids), dtype=np.dtype([("t", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")]))
+    rec["id"], rec["size"], rec["next"] = np.asarray(ids, np.uint64) + 1, 1, -1
+    path = tmp / "mooncake.oracleGeneral.bin"
+    rec.tofile(path)
+    return [sys.executable, "-c", LIBCACHESIM_RUN, str(path), str(IN_PROCESS_CAPACITY)]
+
+
+def read_libcachesim(cmd: list[str], proc) -> dict:
+    return {"version": _pip_version("libcachesim"), "block_hit_ratio": float(proc.stdout.split()[-1])}
+
+
+def interleaved(commands: dict[str, tuple[list[str], object]], rounds: int) -> dict[str, dict]:
+    """Each command once untimed, then `rounds` rounds of every command in turn; per command the wall times,
+    their median and what its reader makes of the last run's output."""
+    out = {}
+    for name, (cmd, _) in commands.items():
+        print(f"  untimed first run: {name}", file=sys.stderr)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        out[name] = {"command": cmd, "first_run_s": time.perf_counter() - t0, "wall_s": []}
+        if proc.returncode != 0:
+            out[name].update(ok=False, error=f"exit {proc.returncode}: {_tail(proc.stderr)}")
+    live = {n: c for n, c in commands.items() if out[n].get("ok", True)}
+    last = {}
+    for r in range(rounds):
+        print(f"  round {r + 1}/{rounds}", file=sys.stderr)
+        for name, (cmd, _) in live.items():
+            t0 = time.perf_counter()
+            last[name] = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+            out[name]["wall_s"].append(time.perf_counter() - t0)
+    for name, (cmd, read) in live.items():
+        proc = last.get(name)
+        if proc is None or proc.returncode != 0:
+            out[name].update(ok=False, error=f"exit {proc.returncode}: {_tail(proc.stderr)}" if proc else "no run")
+            continue
+        out[name].update(ok=True, median_s=statistics.median(out[name]["wall_s"]), **read(cmd, proc))
+    return out
 
 
 def python_ordereddict_lru(keys: list[list[int]], capacity: int) -> list[int]:
@@ -203,13 +191,13 @@ def python_ordereddict_lru(keys: list[list[int]], capacity: int) -> list[int]:
     return hits
 
 
-def _best(fn, repeat: int) -> float:
+def _median(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 def run_in_process(parquet: Path, repeat: int) -> dict:
@@ -251,8 +239,8 @@ def run_in_process(parquet: Path, repeat: int) -> dict:
 
         return run
 
-    prep_s = _best(prepare_and_replay, max(repeat, 20))
-    curve_s = _best(lambda: lru_curve(trace), max(repeat, 10))
+    prep_s = _median(prepare_and_replay, max(repeat, 20))
+    curve_s = _median(lambda: lru_curve(trace), max(repeat, 10))
     out = {
         "capacity_blocks": IN_PROCESS_CAPACITY,
         "block_refs": refs,
@@ -262,7 +250,7 @@ def run_in_process(parquet: Path, repeat: int) -> dict:
     }
     capped = prepare(table, meta.block_size, vllm_cap=True)
     for name, prepared in (("lru", trace), ("vllm", capped), ("radix-lru", trace), ("belady", trace)):
-        s = _best(densify_and_replay(name, prepared), max(repeat, 200))  # best of many: the VM is noisy
+        s = _median(densify_and_replay(name, prepared), max(repeat, 200))  # many: the VM is noisy
         out[f"kvbench_{name.replace('-', '_')}_densify_and_kernel"] = {"s": s, "refs_per_s": refs / s}
     return out
 
@@ -276,47 +264,87 @@ def _pip_version(dist: str) -> str | None:
         return None
 
 
+def prepare_kvbench() -> str | None:
+    """What a wheel install has before its first run: kvbench byte-compiled, and its compiled kernels built."""
+    import kvbench
+
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(kvbench.__file__).parent),
+                    str(REPO / "backends")], capture_output=True)  # fmt: skip
+    build = "from kvbench.cache.compiled import build; print(build())"
+    return subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("jsonl", nargs="?", type=Path, default=DEFAULT_JSONL)
     ap.add_argument("--parquet", type=Path, default=DEFAULT_PARQUET)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
+    if not args.jsonl.exists():
+        print(f"{args.jsonl} not found (give the Mooncake JSONL trace as the first argument)", file=sys.stderr)
+        return 2
 
+    aot = prepare_kvbench()
     with tempfile.TemporaryDirectory(prefix="kvbench-peers-") as tmp:
         tmp = Path(tmp)
-        print("(a) kvcache-simulator ...", file=sys.stderr)
-        peer = run_peer(args.jsonl, args.repeat, tmp)
-        print("(b) kvbench replay ...", file=sys.stderr)
-        ours = run_kvbench_replay(args.parquet, args.repeat, tmp)
+        commands = {}
+        if (cmd := kvcache_simulator_cmd(args.jsonl, tmp)) is not None:
+            commands["kvcache-simulator lru, 8 capacities"] = (cmd, read_kvcache_simulator)
+        commands["kvbench radix-lru, 8 capacities, --no-bound"] = (
+            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=False), read_kvbench)
+        commands["kvbench radix-lru, 8 capacities, Belady bound (default)"] = (
+            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=True), read_kvbench)
+        if (cmd := libcachesim_cmd(args.jsonl, tmp)) is not None:
+            commands["libcachesim LRU, 1 capacity"] = (cmd, read_libcachesim)
+        commands["kvbench lru, 1 capacity, --no-bound"] = (
+            kvbench_cmd(args.parquet, tmp, "lru", [IN_PROCESS_CAPACITY], bound=False), read_kvbench)  # fmt: skip
+        print(f"(a, b) whole processes, {args.rounds} interleaved rounds ...", file=sys.stderr)
+        whole = interleaved(commands, args.rounds)
     print("(c) in process ...", file=sys.stderr)
-    inproc = run_in_process(args.parquet, args.repeat)
+    inproc = run_in_process(args.parquet, 20)
 
     result = {
+        "command": "python benchmarks/peers.py --rounds " + str(args.rounds),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
             "platform": platform.platform(),
-            "processor": platform.processor(),
             "python": platform.python_version(),
             "cpus": _cpus(),
+            "load_average": list(__import__("os").getloadavg()),
         },
         "capacities_blocks": CAPACITIES,
-        "kvcache_simulator": peer,
-        "kvbench_replay": ours,
+        "aot_module": aot,
+        "whole_process": whole,
         "in_process": inproc,
     }
-    if peer.get("ok") and ours.get("ok"):
-        common = sorted(set(peer["token_steady"]) & set(ours["token_steady"]), key=int)
-        result["max_abs_hit_rate_diff"] = max(
-            (abs(peer["token_steady"][c] - ours["token_steady"][c]) for c in common), default=None
-        )
-        result["whole_process_speedup"] = peer["best_s"] / ours["best_s"]
-
+    result["ratios"] = _ratios(whole)
     print(_table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwritten: {args.out}")
     return 0
+
+
+def _ratios(w: dict) -> dict:
+    """kvbench's median wall time over the peer's (below 1: kvbench faster), and the hit rates' agreement."""
+    def med(name):
+        return w.get(name, {}).get("median_s") if w.get(name, {}).get("ok") else None
+
+    peer8, ours8 = med("kvcache-simulator lru, 8 capacities"), med("kvbench radix-lru, 8 capacities, --no-bound")
+    bound8 = med("kvbench radix-lru, 8 capacities, Belady bound (default)")
+    peer1, ours1 = med("libcachesim LRU, 1 capacity"), med("kvbench lru, 1 capacity, --no-bound")
+    out = {
+        "kvbench_no_bound_over_kvcache_simulator": ours8 / peer8 if peer8 and ours8 else None,
+        "kvbench_with_bound_over_kvcache_simulator": bound8 / peer8 if peer8 and bound8 else None,
+        "bound_cost_s": bound8 - ours8 if bound8 and ours8 else None,
+        "kvbench_lru_over_libcachesim": ours1 / peer1 if peer1 and ours1 else None,
+    }
+    if peer8 and ours8:
+        theirs = w["kvcache-simulator lru, 8 capacities"]["token_steady"]
+        mine = w["kvbench radix-lru, 8 capacities, --no-bound"]["token_steady"]
+        out["max_abs_hit_rate_diff"] = max(abs(theirs[c] - mine[c]) for c in set(theirs) & set(mine))
+    return out
 
 
 def _cpus() -> int | None:
@@ -325,68 +353,52 @@ def _cpus() -> int | None:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def _speedup(x: float) -> str:
-    return f"{x:.2f}x" + (" (kvbench faster)" if x > 1 else " (kvbench slower)")
-
-
 def _table(r: dict) -> str:
-    rows = [("what", "work", "wall", "rate", "kvbench speed-up (peer time / kvbench time)")]
-    peer, ours, ip = r["kvcache_simulator"], r["kvbench_replay"], r["in_process"]
-    caps = f"{len(CAPACITIES)} capacities"
-    if peer.get("ok"):
-        used = "" if peer["capacities_match"] else f" (blocks used: {peer['capacity_blocks_used']})"
-        rows.append(
-            ("kvcache-simulator run, lru (trie), whole process", caps + used, f"{peer['best_s']:.2f} s", "", "peer")
-        )
-    else:
-        rows.append(("kvcache-simulator run", "FAILED", "", "", peer.get("error", "")))
-    if ours.get("ok"):
-        speed = _speedup(peer["best_s"] / ours["best_s"]) if peer.get("ok") else ""
-        rows.append(("kvbench replay --policy radix-lru, whole process", caps, f"{ours['best_s']:.2f} s", "", speed))
-    else:
-        rows.append(
-            ("kvbench replay", "FAILED", "", "", ours.get("error", "").splitlines()[0] if ours.get("error") else "")
-        )
+    rows = [("what", "wall (median)", "rate", "vs peer")]
+    ratios = r["ratios"]
+    vs = {
+        "kvbench radix-lru, 8 capacities, --no-bound": ratios["kvbench_no_bound_over_kvcache_simulator"],
+        "kvbench radix-lru, 8 capacities, Belady bound (default)": ratios["kvbench_with_bound_over_kvcache_simulator"],
+        "kvbench lru, 1 capacity, --no-bound": ratios["kvbench_lru_over_libcachesim"],
+    }
+    for name, w in r["whole_process"].items():
+        if not w.get("ok"):
+            rows.append((name, "FAILED", "", w.get("error", "").splitlines()[0] if w.get("error") else ""))
+            continue
+        ratio = vs.get(name)
+        rows.append((name, f"{w['median_s']:.2f} s", "", "peer" if name not in vs else _ratio(ratio)))
+    ip = r["in_process"]
     py = ip["python_ordereddict_lru"]
-    rows.append(
-        (
-            "Python OrderedDict block LRU",
-            f"1 capacity, {ip['block_refs']:,} refs",
-            f"{py['s'] * 1e3:.1f} ms",
-            f"{py['refs_per_s'] / 1e6:.1f} M refs/s",
-            "peer",
-        )
-    )
+    rows.append(("Python OrderedDict block LRU, in process", f"{py['s'] * 1e3:.1f} ms",
+                 f"{py['refs_per_s'] / 1e6:.1f} M refs/s", "peer"))  # fmt: skip
     for key, label in (
-        ("kvbench_lru_prepare_and_kernel", "kvbench lru kernel, prepare included"),
-        ("kvbench_lru_densify_and_kernel", "kvbench lru kernel + densify (target >= 100 M/s)"),
-        ("kvbench_vllm_densify_and_kernel", "kvbench vllm kernel + densify (target >= 100 M/s)"),
-        ("kvbench_radix_lru_densify_and_kernel", "kvbench radix-lru kernel + densify (target >= 20 M/s)"),
-        ("kvbench_belady_densify_and_kernel", "kvbench belady kernel + densify (target >= 20 M/s)"),
+        ("kvbench_lru_prepare_and_kernel", "kvbench lru, prepare included (target >= 200 M/s)"),
+        ("kvbench_lru_densify_and_kernel", "kvbench lru kernel + densify"),
+        ("kvbench_vllm_densify_and_kernel", "kvbench vllm kernel + densify"),
+        ("kvbench_radix_lru_densify_and_kernel", "kvbench radix-lru kernel + densify"),
+        ("kvbench_belady_densify_and_kernel", "kvbench belady kernel + densify"),
     ):
         k = ip[key]
-        rows.append(
-            (
-                label,
-                "1 capacity",
-                f"{k['s'] * 1e3:.2f} ms",
-                f"{k['refs_per_s'] / 1e6:.1f} M refs/s",
-                _speedup(k["refs_per_s"] / py["refs_per_s"]),
-            )
-        )
-    curve_ms = ip["kvbench_lru_curve_all_capacities"]["s"] * 1e3
-    rows.append(("kvbench lru one-pass curve", "every capacity", f"{curve_ms:.1f} ms", "", ""))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(5)]
+        rows.append((label, f"{k['s'] * 1e3:.2f} ms", f"{k['refs_per_s'] / 1e6:.1f} M refs/s",
+                     f"{k['refs_per_s'] / py['refs_per_s']:.1f}x the OrderedDict"))  # fmt: skip
+    rows.append(("kvbench lru one-pass curve", f"{ip['kvbench_lru_curve_all_capacities']['s'] * 1e3:.1f} ms", "", ""))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(4)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if r.get("max_abs_hit_rate_diff") is not None:
-        lines.append(
-            f"\nsteady-state hit rates, kvbench radix-lru vs kvcache-simulator lru: max |diff| = "
-            f"{r['max_abs_hit_rate_diff']:.2e} over {len(CAPACITIES)} capacities"
-        )
-    if not ip["python_ordereddict_lru"]["same_hits_as_kvbench"]:
+    if ratios.get("bound_cost_s") is not None:
+        lines.append(f"\nthe Belady bound's cost (with - without, medians): {ratios['bound_cost_s']:.2f} s")
+    if ratios.get("max_abs_hit_rate_diff") is not None:
+        lines.append(f"steady-state hit rates, kvbench radix-lru vs kvcache-simulator lru: max |diff| = "
+                     f"{ratios['max_abs_hit_rate_diff']:.2e} over {len(CAPACITIES)} capacities")  # fmt: skip
+    if not py["same_hits_as_kvbench"]:
         lines.append("WARNING: the OrderedDict LRU and kvbench lru disagree on hit blocks")
     return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return ""
+    return f"{x:.2f}x the peer's time" + (" (kvbench faster)" if x < 1 else " (kvbench slower)")
 
 
 if __name__ == "__main__":
