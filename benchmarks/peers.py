@@ -106,9 +106,23 @@ def read_kvcache_simulator(cmd: list[str], proc) -> dict:
 def kvbench_cmd(parquet: Path, tmp: Path, policy: str, capacities: list[int], bound: bool) -> list[str]:
     exe = shutil.which("kvbench") or "kvbench"
     name = f"kvbench-{policy}-{len(capacities)}-{'bound' if bound else 'nobound'}"
-    return [exe, "replay", str(parquet), "--backend", "sim", "--policy", policy,
-            "--capacity", ",".join(map(str, capacities)), "--bound" if bound else "--no-bound", "--no-report",
-            "--json", "--overwrite", "--out", str(tmp / name)]  # fmt: skip  (--overwrite: each round replaces the last)
+    return [
+        exe,
+        "replay",
+        str(parquet),
+        "--backend",
+        "sim",
+        "--policy",
+        policy,
+        "--capacity",
+        ",".join(map(str, capacities)),
+        "--bound" if bound else "--no-bound",
+        "--no-report",
+        "--json",
+        "--overwrite",
+        "--out",
+        str(tmp / name),
+    ]  # fmt: skip  (--overwrite: each round replaces the last)
 
 
 def read_kvbench(cmd: list[str], proc) -> dict:
@@ -292,9 +306,13 @@ def main(argv=None) -> int:
         if (cmd := kvcache_simulator_cmd(args.jsonl, tmp)) is not None:
             commands["kvcache-simulator lru, 8 capacities"] = (cmd, read_kvcache_simulator)
         commands["kvbench radix-lru, 8 capacities, --no-bound"] = (
-            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=False), read_kvbench)
+            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=False),
+            read_kvbench,
+        )
         commands["kvbench radix-lru, 8 capacities, Belady bound (default)"] = (
-            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=True), read_kvbench)
+            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=True),
+            read_kvbench,
+        )
         if (cmd := libcachesim_cmd(args.jsonl, tmp)) is not None:
             commands["libcachesim LRU, 1 capacity"] = (cmd, read_libcachesim)
         commands["kvbench lru, 1 capacity, --no-bound"] = (
@@ -328,6 +346,7 @@ def main(argv=None) -> int:
 
 def _ratios(w: dict) -> dict:
     """kvbench's median wall time over the peer's (below 1: kvbench faster), and the hit rates' agreement."""
+
     def med(name):
         return w.get(name, {}).get("median_s") if w.get(name, {}).get("ok") else None
 

@@ -106,7 +106,9 @@ class TensorPool:
         pool's bits dtype) when given, in the block-major layout: a reused buffer spares the page faults of a
         fresh one, which on a CPU made the gather 10 times slower than the bytes it moves."""
         blocks_first = self.bits.movedim(self.dim, 0)  # a view: index_select reads the layer-first layout in place
-        return blocks_first.index_select(0, slots) if out is None else torch.index_select(blocks_first, 0, slots, out=out)
+        return (
+            blocks_first.index_select(0, slots) if out is None else torch.index_select(blocks_first, 0, slots, out=out)
+        )
 
     def scatter(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         """Write `[n, *block_shape]` blocks (as `gather` returns them, or of the pool's dtype) into `slots`."""

@@ -137,5 +137,3 @@ def _stop_like_ctrl_c(ctx: click.Context) -> None:
         if number is not None and signal.getsignal(number) is not signal.SIG_IGN:  # `nohup kvbench …` ignores HUP
             before = signal.signal(number, _as_ctrl_c)
             ctx.call_on_close(lambda n=number, h=before: signal.signal(n, signal.SIG_DFL if h is None else h))
-
-

@@ -209,7 +209,13 @@ def _progress_bar():
 
     from kvbench.cli.render import console
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     return Progress(*columns, console=console, transient=True)
 
 

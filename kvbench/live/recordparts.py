@@ -103,7 +103,9 @@ def finish(out: Path) -> int:
         parent = table.column("parent_id")
         recorded = pc.is_in(parent, value_set=table.column("request_id").combine_chunks())
         table = table.set_column(
-            table.column_names.index("parent_id"), "parent_id", pc.if_else(recorded, parent, pa.scalar(None, pa.string()))
+            table.column_names.index("parent_id"),
+            "parent_id",
+            pc.if_else(recorded, parent, pa.scalar(None, pa.string())),
         )
     meta = new_meta(recording["block_size"], recording["source"])
     with TraceWriter(out, meta) as writer:

@@ -160,8 +160,13 @@ def test_held_rows_are_durable_only_once_committed_and_a_short_run_writes_one_fi
     loses only what the summary does not list yet), a commit makes one part, and a run that never committed
     writes requests.parquet at once, without parts."""
     trace = pa.table(
-        {"request_id": ["a", "b", "c"], "tenant": ["t"] * 3, "workload": ["chat"] * 3, "input_tokens": [1, 2, 3],
-         "output_tokens": [1, 1, 1]}  # fmt: skip
+        {
+            "request_id": ["a", "b", "c"],
+            "tenant": ["t"] * 3,
+            "workload": ["chat"] * 3,
+            "input_tokens": [1, 2, 3],
+            "output_tokens": [1, 1, 1],
+        }  # fmt: skip
     )
     point = PointResult({"policy": "lru"}, {"hit_blocks": pa.array([0, 1, 2]).to_numpy()})
 

@@ -42,8 +42,8 @@ def quantiles(values) -> list[float]:
 
 def by_length(values, lengths) -> dict:
     """Quantile tables of `values` per length bucket (powers of two: 1, 2-3, 4-7, … blocks or turns), for buckets
-    with at least BUCKET_MIN samples, and of all values ("all"); `for_length` picks one. Conversations grow less per turn
-    as they get longer (Mooncake: 9.7 new blocks after prompts under 10 blocks, 3.4 after 80 or more)."""
+    with at least BUCKET_MIN samples, and of all values ("all"); `for_length` picks one. Conversations grow
+    less per turn as they get longer (Mooncake: 9.7 new blocks after prompts under 10 blocks, 3.4 after 80 or more)."""
     values, lengths = np.asarray(values), np.asarray(lengths)
     bucket = length_bucket(lengths)
     out = {"all": quantiles(values)}
