@@ -249,7 +249,16 @@ class Dispatcher:
             return
         delay = at - self.now()
         if delay > 0 and not due:
-            self.timers[i] = self.loop.call_later(delay, self._launch, i)
+            self.timers[i] = self.loop.call_later(delay, self._launch_when_due, i)
+        else:
+            self._launch(i)
+
+    def _launch_when_due(self, i: int) -> None:
+        # A loop's timers may fire a little early (uvloop's count whole milliseconds from the loop's cached
+        # time): a request never goes before its time, the timer is set again for what is left.
+        delay = self.outcomes[i].scheduled_s - self.now()
+        if delay > 0:
+            self.timers[i] = self.loop.call_later(delay, self._launch_when_due, i)
         else:
             self._launch(i)
 
@@ -315,7 +324,8 @@ class InOrder:
     """Starts `rows` at their absolute times `at`, in that order, from one timer at a time (no accumulated
     drift: each timer aims at an absolute target). A row is launched directly when its timer fires, never
     from a timer of its own: a timer that fires late would let the next row overtake it, and the order of
-    requests is what a cache hit depends on. A burst of rows already due costs no wake-up."""
+    requests is what a cache hit depends on. A burst of rows already due costs no wake-up, and no row starts
+    before its time."""
 
     def __init__(self, dispatcher: Dispatcher, rows, at: np.ndarray):
         self.dispatcher = dispatcher
@@ -338,13 +348,10 @@ class InOrder:
             d.fail(e)
 
     def _due(self) -> None:
-        # the row this timer was set for goes now, even if the loop's clock woke it a hair early
+        # Timers may fire a little early (uvloop's count whole milliseconds from the loop's cached time): `step`
+        # starts the row only once its time has come, and otherwise sets the timer again for what is left
+        # (below a millisecond that is the loop's next turn, which still serves the requests in flight).
         self.timer = None
-        try:
-            self._start_next()
-        except Exception as e:
-            self.dispatcher.fail(e)
-            return
         self.step()
 
     def _start_next(self) -> None:
