@@ -17,10 +17,12 @@ import pyarrow as pa
 from kvbench.backends.enginesim import scenarios as _scenarios
 from kvbench.backends.enginesim.cluster import ROUTERS, simulate
 from kvbench.backends.enginesim.engine import Instance, Req, Scheduler
+from kvbench.backends.enginesim.pool import QuickPool
 
 from kvbench import options
 from kvbench.cache import policies as _policies
 from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
+from kvbench.cache.policies.vllm import VllmPool
 from kvbench.cache.prepared import prepare
 from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 from kvbench.errors import KvbenchError
@@ -264,9 +266,15 @@ class EngineSimBackend:
         if pool_size:
             pool_bw = s["pool_bandwidth_gbps"] * 1e9
             pool = GlobalStore("global", pool_size, pool_bw, policy=s["pool_policy"], put_on=s["pool_put"])
+        flat, off = prep.keys.tolist(), prep.offsets.tolist()
+        keys = [flat[off[r] : off[r + 1]] for r in range(prep.n_requests)]  # each request's, read-only, shared
         instances = []
         for i in range(s["instances"]):
-            cache = pol.cache(prep, pool_blocks, {})
+            # vLLM's pool in its quick form (pool.py): the same rule, what a long replay spends most time in
+            if pol.cache is VllmPool:
+                cache = QuickPool(prep, pool_blocks, {}, keys)
+            else:
+                cache = pol.cache(prep, pool_blocks, {})
             tiers = TierStack(
                 Tier("dram", self._blocks(s["dram_capacity"], bs, "--dram-capacity"), self.hw.host_to_device_bw),
                 Tier("ssd", self._blocks(s["ssd_capacity"], bs, "--ssd-capacity"), self.hw.ssd_to_device_bw),
@@ -277,19 +285,10 @@ class EngineSimBackend:
             inst.scenarios = scenarios
             _hook(inst)
             instances.append(inst)
-        arrival = trace.column("arrival_s").to_numpy().astype(np.float64)
-        n_out = trace.column("output_tokens").to_numpy()
-        reqs = [
-            Req(
-                r,
-                float(arrival[r]),
-                int(prep.input_tokens[r]),
-                max(1, int(n_out[r])),
-                prep.keys[prep.offsets[r] : prep.offsets[r + 1]].tolist(),
-                int(prep.max_hit[r]),
-            )
-            for r in range(prep.n_requests)
-        ]
+        arrival = trace.column("arrival_s").to_numpy().astype(np.float64).tolist()
+        n_out = np.maximum(trace.column("output_tokens").to_numpy(), 1).tolist()
+        n_in, max_hit = prep.input_tokens.tolist(), prep.max_hit.tolist()
+        reqs = [Req(r, arrival[r], n_in[r], n_out[r], keys[r], max_hit[r]) for r in range(prep.n_requests)]
         successors = think = None
         if s["closed_loop"]:
             from kvbench.live.pacing import predecessors
@@ -368,15 +367,20 @@ def _hook(inst: Instance) -> None:
     touching the policy's code."""
     cache, tiers = inst.cache, inst.tiers
     insert, evict = cache.insert, cache.evict
+    born, lifetimes = inst.born, inst.lifetimes
+    # with no tier below HBM the tiers have nothing to do: not called (twice per block of a long replay)
+    admitted, left = (tiers.admitted, tiers.evicted) if tiers.lower else (None, None)
 
     def inserted(key):
         insert(key)
-        inst.born[key] = inst.now
-        tiers.admitted(key)
+        born[key] = inst.now
+        if admitted is not None:
+            admitted(key)
 
     def evicted(key):
         evict(key)
-        inst.lifetimes.append(inst.now - inst.born.pop(key, inst.now))
-        tiers.evicted(key)
+        lifetimes.append(inst.now - born.pop(key, inst.now))
+        if left is not None:
+            left(key)
 
     cache.insert, cache.evict = inserted, evicted

@@ -16,10 +16,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvbench.cache.policies.vllm import VllmPool
+
 MAX_FAST_FORWARD = 256  # decode iterations run as one at most (bounds how late a closed-loop arrival is seen)
 
 
-@dataclass
+# eq=False: requests are compared by identity (list.remove on `running` would otherwise compare every field)
+@dataclass(slots=True, eq=False)
 class Req:
     row: int
     arrival: float
@@ -41,6 +44,7 @@ class Req:
     handoff: bool = False  # disaggregated: prefilled elsewhere, its KV moved here to decode
     scheduled: float = -1.0  # trace time when a client concurrency limit held it back (its send is `arrival`)
     rejected_for: str = ""  # why the pool could never hold it: its prompt, or the output it grew to
+    grow_at: int = 0  # KV length from which the slot pool's `grow` has work for it again (Instance._take)
 
 
 @dataclass
@@ -72,6 +76,8 @@ class Instance:
         self.window = None  # (token, start, seconds per iteration, iterations, pieces, decoding) in flight
         self.rejected: list[Req] = []  # requests larger than the whole pool: they could never run
         self.rejected_seen = 0  # (how many of them the client's in-flight count has given back)
+        self._run_load = None  # tokens the running sequences still have to do; None: to be summed again
+        self._pool = None  # whether grows may be skipped (vLLM's own pool, unpatched: _check_pool)
         self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_bytes": 0, "load_bytes": {}, "steps": 0}
 
     def blocks_for(self, tokens: int) -> int:
@@ -88,8 +94,11 @@ class Instance:
 
     @property
     def load(self) -> int:
-        """Tokens queued or in flight: what least-loaded routing balances."""
-        return sum(r.todo + r.n_out - r.generated for r in self.running) + self.queued_tokens
+        """Tokens queued or in flight: what least-loaded routing balances. The running part is summed once per
+        iteration, not per routing decision (plan and finish_step, which change it, drop the sum)."""
+        if self._run_load is None:
+            self._run_load = sum(r.todo + r.n_out - r.generated for r in self.running)
+        return self._run_load + self.queued_tokens
 
     # --- admission ----------------------------------------------------------------------------------------
     def _admit(self, req: Req, now: float) -> float:
@@ -104,14 +113,14 @@ class Instance:
             load_s = self.latency.transfer_s(self.blocks_for(req.context) * self.kv_bytes_block, self.pcie_bw)
             self.stats["swap_bytes"] += self.blocks_for(req.context) * self.kv_bytes_block
             if req.cached_on == self.index:
-                self._begin(req.row)
+                self._begin(req)
             req.swapped = False
         else:
             # the tiers below are searched before the admission writes (through) or evicts anything into them,
             # as an engine looks up its offload store before it allocates: a request never finds below HBM
             # blocks it put there itself
             found = self.tiers.find(req.keys, self.cache.lookup(req.row), req.max_hit) if self.tiers.lower else []
-            hit = self._begin(req.row)
+            hit = self._begin(req)
             req.cached_on = self.index
             for sc in self.scenarios:
                 sc.admitted(self, req)
@@ -165,14 +174,58 @@ class Instance:
     def _take(self, r: Req, tokens: int) -> None:
         """A slot pool takes r's blocks for `tokens` tokens of KV as the step that computes them is scheduled."""
         if self.slots and r.cached_on == self.index:
-            self.cache.grow(r.row, tokens)
+            if tokens < r.grow_at and self._check_pool():
+                self.cache.request = r.row  # as the skipped call would have left it
+            else:
+                self._grow(r, tokens)
 
-    def _begin(self, row: int) -> int:
-        """Look request `row` up in the prefix cache and hold its hit; a pool that takes blocks step by step
+    def _take_all(self, reqs: list[Req], more: int) -> None:
+        """`_take(r, r.context + more)` for each of `reqs`, the per-decode hot path: most of these calls find
+        the block being written has room and nothing to hash, and are skipped (see `_grow`)."""
+        if not self.slots:
+            return
+        index, last = self.index, None
+        if self._check_pool():
+            grow = self._grow
+            for r in reqs:
+                if r.cached_on == index:
+                    last = r
+                    if r.context + more >= r.grow_at:
+                        grow(r, r.context + more)
+        else:
+            grow = self.cache.grow
+            for r in reqs:
+                if r.cached_on == index:
+                    last = r
+                    grow(r.row, r.context + more)
+        if last is not None:
+            self.cache.request = last.row  # a skipped call leaves the pool's current request as a made one does
+
+    def _check_pool(self) -> bool:
+        """Whether a grow may be skipped below `grow_at`: the cache is vLLM's pool with its own `grow` (whose
+        state `_grow` reads the threshold from), and it has filled (before, any grow may be the one that
+        records `filled_at`)."""
+        if self._pool is None:
+            self._pool = isinstance(self.cache, VllmPool) and "grow" not in vars(self.cache)
+        return self._pool and self.cache.out.filled_at >= 0
+
+    def _grow(self, r: Req, tokens: int) -> None:
+        """The pool's grow, then the KV length from which the next one has work: vLLM's pool hashes the
+        request's first unhashed block once `tokens` covers it, and takes a slot once `tokens` passes the slots
+        it holds; below both, grow changes nothing but the pool's `request`."""
+        cache = self.cache
+        cache.grow(r.row, tokens)
+        if self._pool:
+            held, pos = len(cache.held[r.row]), cache.unhashed_from[r.row]
+            r.grow_at = (pos + 1) * self.bs if pos < held else held * self.bs + 1
+
+    def _begin(self, req: Req) -> int:
+        """Look the request up in the prefix cache and hold its hit; a pool that takes blocks step by step
         (vLLM's, with `grow`) takes the prompt's as its chunks are scheduled, not all at once."""
+        req.grow_at = 0  # a new hold in the pool: its first grow is made
         if self.slots:
-            return self.cache.begin(row, prompt_slots=False)
-        return self.cache.begin(row)
+            return self.cache.begin(req.row, prompt_slots=False)
+        return self.cache.begin(req.row)
 
     # --- preemption ---------------------------------------------------------------------------------------
     def _preempt(self, now: float) -> float:
@@ -200,30 +253,36 @@ class Instance:
         A decode-only batch runs several identical iterations at once, up to the first request that finishes;
         an arrival cuts such a window short (cluster.simulate): what makes long traces quick."""
         self.now = now
+        self._run_load = None
+        bs = self.bs
         budget = self.sched.max_num_batched_tokens
         extra_s = 0.0
         # decodes that cross into a new block need one; preempt from the back until they fit
         decoding = [r for r in self.running if r.todo == 0]
-        grow = sum(1 for r in decoding if r.context % self.bs == 0)
+        grow = [r.context % bs for r in decoding].count(0)
         while self.running and grow > self._room():
             extra_s += self._preempt(now)
             decoding = [r for r in self.running if r.todo == 0]
-            grow = sum(1 for r in decoding if r.context % self.bs == 0)
+            grow = [r.context % bs for r in decoding].count(0)
         self.used += grow
-        for r in decoding:
-            self._take(r, r.context + 1)
+        self._take_all(decoding, 1)
         budget -= len(decoding)
         pieces = []
-        for r in self.running:
-            if r.todo > 0 and budget > 0:
-                take = min(r.todo, budget)
-                pieces.append((r, take))
-                self._take(r, r.context + take)
-                budget -= take
+        if budget > 0 and len(decoding) < len(self.running):  # running prefills take the next chunk
+            for r in self.running:
+                if r.todo > 0:
+                    take = min(r.todo, budget)
+                    pieces.append((r, take))
+                    self._take(r, r.context + take)
+                    budget -= take
+                    if budget <= 0:
+                        break
+        blocked = None  # the queue's head, found not to fit
         while self.waiting and budget > 0 and len(self.running) < self.sched.max_num_seqs:
             req = self.waiting[0]
             if not self._fits(req):
                 if self.running:
+                    blocked = req
                     break  # wait for running sequences to free blocks
                 if any(sc.make_room(self) for sc in self.scenarios):
                     continue  # nothing runs: a scenario gives back KV it kept (a retained task's) and it is tried again
@@ -242,31 +301,48 @@ class Instance:
                 self._take(req, req.context + 1)
                 budget -= 1
         prefills, contexts = [(take, r.context) for r, take in pieces], [r.context for r in decoding]
-        step = self.latency.step_s(prefills, contexts)
-        step += sum(sc.step_extra_s(self, prefills, contexts) for sc in self.scenarios)  # e.g. attn-ffn transfers
+        scenarios = self.scenarios
+        if scenarios:  # (without them the single step's time is only needed when no window replaces it)
+            step = self.latency.step_s(prefills, contexts)
+            step += sum(sc.step_extra_s(self, prefills, contexts) for sc in scenarios)  # e.g. attn-ffn transfers
         steps = 1
         if (
             decoding
             and not pieces
             and not extra_s
-            and (not self.waiting or len(self.running) >= self.sched.max_num_seqs or not self._fits(self.waiting[0]))
+            and (
+                not self.waiting
+                or len(self.running) >= self.sched.max_num_seqs
+                # still blocked: nothing has changed the pool since (a scenario's step_extra_s might have)
+                or (blocked is not None and not scenarios)
+                or not self._fits(self.waiting[0])
+            )
         ):
             steps = self._fast_forward(decoding)
-            if steps > 1:
-                mid = [r.context + (steps - 1) / 2 for r in decoding]  # KV grows linearly over the window
-                extra = sum(sc.step_extra_s(self, [], mid) for sc in self.scenarios)
+        if steps > 1:
+            n = len(decoding)
+            if scenarios:
+                mid = [c + (steps - 1) / 2 for c in contexts]  # KV grows linearly over the window
+                extra = sum(sc.step_extra_s(self, [], mid) for sc in scenarios)
                 step = (self.latency.step_s([], mid) + extra) * steps
-                for r in decoding:
-                    self._take(r, r.context + steps)
+            else:
+                # the same window as step_s([], mid): sum(mid) adds integers and halves, exactly in floats, so
+                # summing the integers first gives the very same float
+                step = self.latency.decode_step_s(n, sum(contexts) + n * (steps - 1) / 2) * steps
+            self._take_all(decoding, steps)
+        elif not scenarios:
+            step = self.latency.step_s(prefills, contexts)
         self.stats["steps"] += steps
+        self._run_load = None
         return step + extra_s, pieces, decoding, steps
 
     def _fast_forward(self, decoding: list[Req]) -> int:
-        k = min(min(r.n_out - r.generated for r in decoding), MAX_FAST_FORWARD)
+        k = min(min([r.n_out - r.generated for r in decoding]), MAX_FAST_FORWARD)
         if k <= 1:
             return 1
-        # blocks the window's later steps need (the first step's were taken above)
-        more = sum(self.blocks_for(r.context + k) - self.blocks_for(r.context + 1) for r in decoding)
+        # blocks the window's later steps need (the first step's were taken above); -(-x // bs) is blocks_for
+        bs = self.bs
+        more = sum([(r.context + 1) // -bs - (r.context + k) // -bs for r in decoding])
         if more > self._room():
             return 1  # the pool fills inside the window: step one at a time, preempting as needed
         return k  # finish_step takes the later steps' blocks, for as many steps as really ran
@@ -275,6 +351,7 @@ class Instance:
         """Apply an iteration (or `steps` identical decode iterations) that ended at time t; returns the
         requests that finished."""
         self.now = t
+        self._run_load = None
         done = []
         for r, take in pieces:
             r.todo -= take
@@ -288,12 +365,17 @@ class Instance:
             self.used -= self.blocks_for(r.context)
             self.cache.end(r.row)
             r.handoff = True
-        for r in decoding:
-            if steps > 1:  # the first step's block was taken when it was planned
-                self.used += self.blocks_for(r.context + steps) - self.blocks_for(r.context + 1)
+        if steps > 1:  # the first step's block was taken when it was planned
+            bs = self.bs
+            self.used += sum([(r.context + 1) // -bs - (r.context + steps) // -bs for r in decoding])
+        for r in decoding:  # each samples `steps` tokens (as _token, inlined: the per-decode hot path)
             r.context += steps
-            r.generated += steps - 1
-            self._token(r, t, done)
+            r.generated += steps
+            if r.first_token < 0:
+                r.first_token = t
+            if r.generated >= r.n_out:
+                r.finish = t
+                done.append(r)
         for r in done:
             self.running.remove(r)
             self.used -= self.blocks_for(r.context)

@@ -10,6 +10,9 @@ from kvbench.run.backend import PointResult
 
 def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, pool, latency_summary) -> PointResult:
     n, bs = len(reqs), prep.block_size
+    for inst in instances:
+        if hasattr(inst.cache, "flush_evictions"):  # (QuickPool counts its evictions at the end)
+            inst.cache.flush_evictions()
     ok = np.array([r.finish >= 0 for r in reqs])
     arrival = np.array([r.arrival for r in reqs])
     first = np.array([r.first_token if r.first_token >= 0 else np.nan for r in reqs])
