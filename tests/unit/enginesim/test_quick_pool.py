@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import random
 
+import kvbench.backends.enginesim as enginesim
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
-import kvbench.backends.enginesim as enginesim
 from kvbench.backends.enginesim.pool import QuickPool
+
 from kvbench.cache.policies.vllm import VllmPool
 from kvbench.cache.prepared import prepare
 from kvbench.run.runner import run_replay

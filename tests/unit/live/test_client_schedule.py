@@ -79,9 +79,7 @@ def test_the_collector_is_restored_after_a_run_and_after_an_interrupted_one(fake
     assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
 
 
-def test_parts_are_written_by_time_while_the_run_goes_on_and_the_result_is_complete(
-    fake_server, tmp_path, monkeypatch
-):
+def test_parts_are_written_by_time_while_the_run_goes_on_and_the_result_is_complete(fake_server, tmp_path, monkeypatch):
     """Fewer than FLUSH_EVERY answers still become a durable part FLUSH_SECONDS later (what a kill keeps),
     written by the writer thread while the loop goes on; the run's result holds every request once."""
     srv = fake_server(itl_ms=1)
@@ -178,9 +176,15 @@ USAGE = (
 
 @pytest.mark.parametrize("cut", [1, 3, 7, 13, 64])
 def test_events_cut_anywhere_across_reads_are_all_counted(cut):
-    body = b": keep-alive\n\nevent: message\n" + token("a") + token("b") + b"id: 3\r\n" + token("c").replace(
-        b"\n", b"\r\n"
-    ) + USAGE + b"data: [DONE]"  # the last line ends with the body
+    body = (
+        b": keep-alive\n\nevent: message\n"
+        + token("a")
+        + token("b")
+        + b"id: 3\r\n"
+        + token("c").replace(b"\n", b"\r\n")
+        + USAGE
+        + b"data: [DONE]"
+    )  # the last line ends with the body
     o = fetch([body[i : i + cut] for i in range(0, len(body), cut)])
     assert o.status == "ok", o.error
     assert len(o.chunk_s) == 3 and o.first_chunk_s == o.chunk_s[0] <= o.chunk_s[1] <= o.chunk_s[2] == o.last_chunk_s
