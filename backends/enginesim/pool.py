@@ -10,7 +10,7 @@ each iteration that looks at the queue), which is most of a long replay's time. 
 - the free queue is a doubly linked list over slot ids (`nxt` / `prv`; slot 0, the null block, is its
   sentinel) instead of an OrderedDict: under the churn of a long replay an OrderedDict's head lookups and
   deletions cost microseconds each, the lists a few list reads. The fresh-slot mark keeps its place in the
-  queue as node 1 (`_FRESH`, never a real slot);
+  queue as node 1 (`FRESH_MARK`, never a real slot);
 - evictions are logged in two int lists and added to `out` at the end (`flush_evictions`): a numpy
   element's += per eviction cost more than the rest of an eviction.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.cache.policies.vllm import _ANON, _EMPTY, _FRESH, VllmPool
+from kvbench.cache.policies.vllm import ANON_SLOT, EMPTY_SLOT, FRESH_MARK, VllmPool
 from kvbench.cache.reference import PrefixCache
 
 
@@ -42,7 +42,7 @@ class QuickPool(VllmPool):
         self.nxt, self.prv = [0, 0], [0, 0]  # free queue links per slot; nxt[0]: head, prv[0]: tail
         self.n_free = 0  # slots in the queue (the fresh mark not counted)
         if self.fresh:
-            self._append(_FRESH)
+            self._append(FRESH_MARK)
         # per eviction, the request that evicted and the victim's tenant (ints in lists: no object per eviction)
         self.evicted_by: list[int] = []
         self.evicted_tenant: list[int] = []
@@ -78,15 +78,15 @@ class QuickPool(VllmPool):
         head = self.nxt[0]
         if not head:
             return None
-        if head == _FRESH:
+        if head == FRESH_MARK:
             slot = len(self.slot_key)
-            self.slot_key.append(_EMPTY)
+            self.slot_key.append(EMPTY_SLOT)
             self.refs.append(0)
             self.nxt.append(0)
             self.prv.append(0)
             self.fresh -= 1
             if not self.fresh:
-                self._unlink(_FRESH)
+                self._unlink(FRESH_MARK)
         else:
             slot = head
             self._unlink(slot)
@@ -167,7 +167,7 @@ class QuickPool(VllmPool):
         mine, keys, full, bs = self.held[r], self.keys_of[r], self.full_blocks[r], self.bs
         pos = self.unhashed_from[r]
         while pos < len(mine) and (pos + 1) * bs <= tokens:
-            self._hash(mine[pos], keys[pos] if pos < full else _ANON)
+            self._hash(mine[pos], keys[pos] if pos < full else ANON_SLOT)
             pos += 1
         if len(mine) * bs < tokens:
             nxt, prv, refs, slot_key, copies = self.nxt, self.prv, self.refs, self.slot_key, self.copies
@@ -176,7 +176,7 @@ class QuickPool(VllmPool):
                 # take(): the free queue's head, its old hash dropped (an empty queue or the fresh-slot mark:
                 # take's own path)
                 slot = nxt[0] if plain_take else 0
-                if slot == 0 or slot == _FRESH:
+                if slot == 0 or slot == FRESH_MARK:
                     slot = self.take()
                     if slot is None:
                         break  # the pool is held by running requests: cache no more of this one
@@ -185,7 +185,7 @@ class QuickPool(VllmPool):
                     nxt[0], prv[after] = after, 0
                     self.n_free -= 1
                     old = slot_key[slot]  # _drop
-                    slot_key[slot] = _EMPTY
+                    slot_key[slot] = EMPTY_SLOT
                     if old >= 0:
                         slots = copies[old]
                         slots.remove(slot)
@@ -195,7 +195,7 @@ class QuickPool(VllmPool):
                     refs[slot] = 1
                 mine.append(slot)
                 if (pos + 1) * bs <= tokens:
-                    key = keys[pos] if pos < full else _ANON  # _hash
+                    key = keys[pos] if pos < full else ANON_SLOT  # _hash
                     slot_key[slot] = key
                     if key >= 0:
                         if key in copies:
@@ -218,7 +218,7 @@ class QuickPool(VllmPool):
             refs[slot] -= 1
             if refs[slot] == 0:
                 freed += 1
-                if slot_key[slot] == _EMPTY:
+                if slot_key[slot] == EMPTY_SLOT:
                     first.append(slot)
                 else:
                     append(slot)

@@ -34,9 +34,9 @@ from kvbench.cache.policies import SimOutput, policy
 from kvbench.cache.policies._vllm_kernel import VllmBlockPool
 from kvbench.cache.reference import PrefixCache
 
-_ANON = -1  # a slot hashed with generated tokens: no trace request can hit it
-_EMPTY = -2  # a slot holding no hash (never used yet, or a partly filled block)
-_FRESH = 1  # the free queue's mark for the slots never handed out yet (slot 0 is the null block)
+ANON_SLOT = -1  # a slot hashed with generated tokens: no trace request can hit it
+EMPTY_SLOT = -2  # a slot holding no hash (never used yet, or a partly filled block)
+FRESH_MARK = 1  # the free queue's mark for the slots never handed out yet (slot 0 is the null block)
 
 
 class VllmPool(PrefixCache):
@@ -46,9 +46,10 @@ class VllmPool(PrefixCache):
 
     def __init__(self, trace, capacity, options=None):
         super().__init__(trace, capacity, options)
-        self.fresh = capacity - 1  # slots never handed out yet: the `_FRESH` mark stands for them in the queue
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys([_FRESH] if self.fresh else [])  # head first
-        self.slot_key: list[int] = [_EMPTY, _EMPTY]  # slot -> trace key, _ANON or _EMPTY (0: null, 1: the mark)
+        self.fresh = capacity - 1  # slots never handed out yet: `FRESH_MARK` stands for them in the queue
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys([FRESH_MARK] if self.fresh else [])  # head first
+        # slot -> trace key, ANON_SLOT or EMPTY_SLOT (0: null, 1: the mark)
+        self.slot_key: list[int] = [EMPTY_SLOT, EMPTY_SLOT]
         self.copies: dict[int, list[int]] = {}  # cached key -> its slots, oldest first
         self.refs: list[int] = [0, 0]
         self.held: dict[int, list[int]] = {}  # running request -> its slots, in block order
@@ -93,7 +94,7 @@ class VllmPool(PrefixCache):
         # a partly filled block taken before is hashed once full
         pos = self.unhashed_from[r]
         while pos < len(mine) and (pos + 1) * self.bs <= tokens:
-            self._hash(mine[pos], int(t.keys[lo + pos]) if pos < full else _ANON)
+            self._hash(mine[pos], int(t.keys[lo + pos]) if pos < full else ANON_SLOT)
             pos += 1
         while len(mine) * self.bs < tokens:
             slot = self.take()
@@ -101,7 +102,7 @@ class VllmPool(PrefixCache):
                 break  # the pool is held by running requests: cache no more of this one
             mine.append(slot)
             if (pos + 1) * self.bs <= tokens:
-                self._hash(slot, int(t.keys[lo + pos]) if pos < full else _ANON)
+                self._hash(slot, int(t.keys[lo + pos]) if pos < full else ANON_SLOT)
                 pos += 1
         self.unhashed_from[r] = pos
         if self.out.filled_at < 0 and not self.fresh:  # every slot has been used: from now on taking one evicts
@@ -114,7 +115,7 @@ class VllmPool(PrefixCache):
         for slot in [*reversed(self.held.pop(r, [])), *self.extra.pop(r, [])]:
             self.refs[slot] -= 1
             if self.refs[slot] == 0:
-                if self.slot_key[slot] == _EMPTY:
+                if self.slot_key[slot] == EMPTY_SLOT:
                     first.append(slot)
                 else:
                     self.free[slot] = None
@@ -132,7 +133,7 @@ class VllmPool(PrefixCache):
 
     def free_blocks(self) -> int:
         """Slots no running request holds (cached or never used): what vLLM counts as free."""
-        return self.fresh + len(self.free) - (_FRESH in self.free)
+        return self.fresh + len(self.free) - (FRESH_MARK in self.free)
 
     def admission_need(self, r: int, tokens: int) -> int:
         """Free slots request r needs to hold `tokens` tokens of KV, as vLLM's admission counts them: the blocks
@@ -149,13 +150,13 @@ class VllmPool(PrefixCache):
         if not self.free:
             return None
         slot = next(iter(self.free))
-        if slot == _FRESH:
+        if slot == FRESH_MARK:
             slot = len(self.slot_key)
-            self.slot_key.append(_EMPTY)
+            self.slot_key.append(EMPTY_SLOT)
             self.refs.append(0)
             self.fresh -= 1
             if not self.fresh:
-                del self.free[_FRESH]
+                del self.free[FRESH_MARK]
         else:
             del self.free[slot]
             self._drop(slot)
@@ -193,7 +194,7 @@ class VllmPool(PrefixCache):
     def _drop(self, slot: int) -> None:
         """The slot is reused: the hash it held is evicted (the key stays cached while another copy exists)."""
         key = self.slot_key[slot]
-        self.slot_key[slot] = _EMPTY
+        self.slot_key[slot] = EMPTY_SLOT
         if key < 0:
             return
         slots = self.copies[key]
