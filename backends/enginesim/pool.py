@@ -95,23 +95,9 @@ class QuickPool(VllmPool):
         self.refs[slot] = 1
         return slot
 
-    def hold_key(self, r: int, key: int) -> bool:
-        mine = self.extra.setdefault(r, [])
-        if key in self.copies:
-            slot = self.copies[key][0]
-            if slot in mine or slot in self.held.get(r, ()):
-                return True
-            if self.refs[slot] == 0:
-                self._unlink(slot)
-                self.n_free -= 1
-            self.refs[slot] += 1
-        else:
-            slot = self.take()
-            if slot is None:
-                return False
-            self._hash(slot, key)
-        mine.append(slot)
-        return True
+    def _claim(self, slot: int) -> None:
+        self._unlink(slot)
+        self.n_free -= 1
 
     def _hooked(self, name: str) -> bool:
         """Whether a scenario replaced method `name` on this object (then it is called as the reference does)."""

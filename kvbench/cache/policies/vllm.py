@@ -172,7 +172,7 @@ class VllmPool(PrefixCache):
             if slot in mine or slot in self.held.get(r, ()):
                 return True
             if self.refs[slot] == 0:
-                del self.free[slot]
+                self._claim(slot)
             self.refs[slot] += 1
         else:
             slot = self.take()
@@ -181,6 +181,10 @@ class VllmPool(PrefixCache):
             self._hash(slot, key)
         mine.append(slot)
         return True
+
+    def _claim(self, slot: int) -> None:
+        """A free slot is held again: out of the free queue (a subclass may keep the queue another way)."""
+        del self.free[slot]
 
     def _hash(self, slot: int, key: int) -> None:
         self.slot_key[slot] = key

@@ -97,7 +97,6 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     blocks: list[np.ndarray] = []
     kind = np.full(n, FRESH, dtype=np.int8)
     parent = np.full(n, -1, dtype=np.int64)
-    lengths = np.zeros(n, dtype=np.int64)
     root_p = np.asarray(br.get("root_shares", []), dtype=np.float64)
     root_u = rng.random(n)
     root_of = np.zeros(n, dtype=np.int64)
@@ -155,7 +154,6 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         fresh = content_ids(namespace, np.arange(next_id, next_id + new)) if new else np.empty(0, np.uint64)
         next_id += new
         blocks.append(np.concatenate([keep, fresh]).astype(np.uint64))
-        lengths[i] = blocks[-1].size
         touched.update(dict.fromkeys(blocks[-1].tolist(), float(t[i])))
         if progress is not None and (i + 1) % step == 0:
             progress(i + 1, n)
