@@ -18,7 +18,7 @@ from kvbench.cache.policy_options import check_quota_tenants, parse_policy_optio
 from kvbench.cache.prepared import PreparedTrace, prepare
 from kvbench.errors import KvbenchError
 from kvbench.options import option
-from kvbench.run.backend import PointResult, Skipped, StreamedPoint
+from kvbench.run.backend import PointResult, Progress, Skipped, StreamedPoint
 from kvbench.trace.files import TraceMeta
 
 BOUND = "belady"
@@ -163,16 +163,17 @@ class SimBackend:
 
     def replay_stream(self, scanned, progress=None) -> Iterator[StreamedPoint]:
         """The same points as `replay`, each answering the trace chunk by chunk (bounded memory): policies
-        that can carry their cache across chunks only; the Belady bound (it needs the future) is left out, and
+        that can carry their cache across chunks, and the Belady bound with its next uses computed out of core
+        first (`kvbench.cache.bound_stream`); when the scratch disk cannot hold them, the bound is left out and
         said to be (`Skipped`)."""
         if self.curve:
             raise KvbenchError("--curve needs the whole trace in memory; drop --curve or replay with --no-stream")
         if self.reference:
             raise KvbenchError("--reference needs the whole trace in memory; replay with --no-stream")
         pols = [_policies.get(n) for n in self.policies]
-        blocked = [p.name for p in pols if p.carry is None]
+        blocked = [p.name for p in pols if p.carry is None and p.name != BOUND]
         if blocked:
-            can = ", ".join(n for n, p in _policies.registry().items() if p.carry is not None)
+            can = ", ".join(n for n, p in _policies.registry().items() if p.carry is not None or n == BOUND)
             raise KvbenchError(
                 f"policy {', '.join(blocked)} needs the whole trace in memory; streamed replays "
                 f"({scanned.block_references:,} block references) support {can}, or replay with --no-stream"
@@ -182,14 +183,29 @@ class SimBackend:
         check_quota_tenants(self.policy_options, scanned.tenant_names)
         caps = parse_capacities(self.capacity_spec, scanned.meta.block_size, self.model, self.kv_dtype)
         for pol in pols:
+            if pol.name != BOUND:
+                for cap in caps:
+                    yield _StreamedPoint(self, pol, cap, scanned)
+        if caps and (BOUND in self.policies or self.bound):
+            yield from self._streamed_bound(scanned, caps, progress)
+
+    def _streamed_bound(self, scanned, caps, progress) -> Iterator[StreamedPoint]:
+        """The Belady points of a streamed replay: one pass computes the next uses onto scratch disk ($TMPDIR),
+        which every capacity then reads chunk by chunk; the scratch files go when the last point is done."""
+        from kvbench.cache.bound_stream import next_uses, spill_check
+
+        why = spill_check(scanned.block_references)
+        if why is not None:
+            yield Skipped(f"{BOUND} bound", f"{why}; or replay with --no-bound")
+            return
+
+        def report(done: int) -> None:
+            if progress is not None:
+                progress(Progress(done, scanned.block_references, f"{BOUND} bound: next uses"))
+
+        with next_uses(scanned, use_salt=self.salt, share_lora=self.share_lora_kv, progress=report) as nu:
             for cap in caps:
-                yield _StreamedPoint(self, pol, cap, scanned)
-        if self.bound and BOUND not in self.policies and caps:
-            yield Skipped(
-                f"{BOUND} bound",
-                f"a streamed replay ({scanned.block_references:,} block references) reads the trace once, forward, "
-                "and the bound needs each block's next use; replay with --no-stream for it, or --no-bound",
-            )
+                yield _StreamedBound(self, nu, cap, scanned)
 
     def _point(self, pol, prep, blocks: int, text: str) -> PointResult:
         run = pol.reference if self.reference else pol.kernel
@@ -269,3 +285,27 @@ class _StreamedPoint:
     def finish(self) -> dict:
         run = self._run
         return _extra(run.evict_matrix, run.tenant_names, run.filled_at, self._n_requests, self._text)
+
+
+class _StreamedBound(_StreamedPoint):
+    """The Belady bound at one capacity over a streamed trace, its next uses read from `nu`
+    (`kvbench.cache.bound_stream`)."""
+
+    def __init__(self, sim: SimBackend, nu, cap, scanned):
+        from kvbench.cache.bound_stream import StreamBound
+
+        self.labels, self._text, self._n_requests = (
+            _labels(_policies.get(BOUND), cap.blocks),
+            cap.text,
+            scanned.n_requests,
+        )
+        self._run = StreamBound(
+            nu,
+            cap.blocks,
+            block_size=scanned.meta.block_size,
+            tenant_names=scanned.tenant_names,
+            chunk_refs=scanned.chunk_refs,
+            longest=scanned.longest,
+            use_salt=sim.salt,
+            share_lora=sim.share_lora_kv,
+        )

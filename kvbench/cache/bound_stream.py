@@ -154,14 +154,19 @@ def _default_tmp() -> str:
     return tempfile.gettempdir()
 
 
-def next_uses(scanned, *, use_salt: bool, share_lora: bool, tmpdir=None, partition_refs: int = 4_000_000):
-    """A finished `NextUseFile` for a `ScannedTrace` (one pass over its block ids); the caller closes it."""
+def next_uses(
+    scanned, *, use_salt: bool, share_lora: bool, tmpdir=None, partition_refs: int = 4_000_000, progress=None
+) -> NextUseFile:
+    """A finished `NextUseFile` for a `ScannedTrace` (one pass over its block ids); the caller closes it.
+    `progress(references done)` is called after each chunk."""
     nu = NextUseFile(scanned.block_references, scanned.n_requests, tmpdir=tmpdir, partition_refs=partition_refs)
     try:
         for batch in scanned.chunks(columns=("cache_salt", "lora")):
             hashes = fold_isolation(pa.Table.from_batches([batch]), use_salt=use_salt, share_lora=share_lora)
             offsets = np.asarray(hashes.offsets, np.int64)
             nu.add(np.asarray(hashes.flatten()), offsets - offsets[0])
+            if progress is not None:
+                progress(nu.added)
         nu.finish()
     except BaseException:
         nu.close()

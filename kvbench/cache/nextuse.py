@@ -85,6 +85,11 @@ class NextUseFile:
     def _path(self, kind: str, i: int) -> str:
         return os.path.join(self.dir, f"{kind}-{i}")
 
+    @property
+    def added(self) -> int:
+        """Block references added so far."""
+        return self._pos
+
     def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
         """The next chunk: ids (uint64[k], block references in prompt order) of requests offsets[i]..offsets[i+1]."""
         ids = np.asarray(ids, np.uint64)

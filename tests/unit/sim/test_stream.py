@@ -73,19 +73,17 @@ def test_tenant_codes_agree_across_chunks():
     np.testing.assert_array_equal(np.concatenate([c.tenant for c in coded]), prepared.tenant)
 
 
-def test_a_streamed_replay_says_the_bound_was_skipped(tmp_path):
-    """The Belady bound needs the whole trace: a streamed replay leaves it out and says so, on the terminal (a
-    warning) and in summary.json, instead of recording a bound it did not compute."""
-    from kvbench.errors import KvbenchWarning
+def test_a_streamed_replay_has_the_bound(tmp_path):
+    """A streamed replay computes the Belady bound out of core (kvbench.cache.bound_stream): the same points as
+    the in-memory run, nothing skipped."""
     from kvbench.run.runner import run_replay
 
     trace = REPO / "traces" / "samples" / "chat.parquet"
-    with pytest.warns(KvbenchWarning, match="belady bound skipped: a streamed replay"):
-        _, summary = run_replay(trace, "sim", {"capacity": "300"}, out=tmp_path / "s", stream=True, report=False)
-    assert [p["policy"] for p in summary["points"]] == ["lru"]
-    assert [s["what"] for s in summary["skipped"]] == ["belady bound"]
+    _, summary = run_replay(trace, "sim", {"capacity": "300"}, out=tmp_path / "s", stream=True, report=False)
     _, whole = run_replay(trace, "sim", {"capacity": "300"}, out=tmp_path / "w", stream=False, report=False)
-    assert "skipped" not in whole and [p["policy"] for p in whole["points"]] == ["lru", "belady"]
+    assert "skipped" not in summary and "skipped" not in whole
+    assert [p["policy"] for p in summary["points"]] == ["lru", "belady"]
+    assert summary["points"] == whole["points"]
 
 
 def test_a_trace_over_the_limit_is_streamed_and_the_terminal_says_so(tmp_path, monkeypatch):
@@ -99,4 +97,4 @@ def test_a_trace_over_the_limit_is_streamed_and_the_terminal_says_so(tmp_path, m
     assert summary["trace"]["streamed"] is True
     messages = [str(w.message) for w in said]
     assert any("118,255 block references, over the 1,000 read whole" in m for m in messages)
-    assert any("belady bound skipped" in m for m in messages)
+    assert [p["policy"] for p in summary["points"]] == ["lru", "belady"]
