@@ -122,9 +122,9 @@ class Probe:
 
     TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-    def __init__(self, url: str, period: float):
-        self.url, self.period = url, period
-        self.samples: list[tuple[float, float, int]] = []  # (perf_counter s, client CPU s, server requests)
+    def __init__(self, url: str, period: float, server_pid: int | None = None):
+        self.url, self.period, self.server_pid = url, period, server_pid
+        self.samples: list[tuple[float, float, int, float]] = []  # (perf_counter s, client CPU s, requests, server CPU s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -138,9 +138,9 @@ class Probe:
         if self._thread is not None:
             self._thread.join(5)
 
-    def _cpu(self) -> float | None:
+    def _cpu(self, pid: int | None = None) -> float | None:
         try:
-            with open(f"/proc/{self.pid}/stat") as fh:
+            with open(f"/proc/{pid or self.pid}/stat") as fh:
                 f = fh.read().rsplit(")", 1)[1].split()
             return (int(f[11]) + int(f[12])) / self.TICK  # utime + stime, every thread
         except (OSError, IndexError, ValueError):
@@ -162,7 +162,8 @@ class Probe:
             if cpu is None:
                 break
             if count is not None:
-                self.samples.append((time.perf_counter(), cpu, count))
+                server = self._cpu(self.server_pid) if self.server_pid else None
+                self.samples.append((time.perf_counter(), cpu, count, math.nan if server is None else server))
 
     def per_request(self, n: int) -> dict:
         """Client CPU per request while the server's count went from 10 % to 90 % of the run's n requests."""
@@ -172,10 +173,12 @@ class Probe:
         mid = [x for x in self.samples if base + 0.1 * n <= x[2] <= base + 0.9 * n]
         if len(mid) < 2 or mid[-1][2] == mid[0][2]:
             return {}
-        (t0, c0, n0), (t1, c1, n1) = mid[0], mid[-1]
+        (t0, c0, n0, s0), (t1, c1, n1, s1) = mid[0], mid[-1]
         return {
             "cpu_us_per_request": (c1 - c0) / (n1 - n0) * 1e6,
             "cpu_utilisation": (c1 - c0) / (t1 - t0) if t1 > t0 else math.nan,
+            # near 1: the fake server, not the client, set the pace of this run
+            "server_cpu_utilisation": (s1 - s0) / (t1 - t0) if t1 > t0 else math.nan,
             "cpu_window_requests": n1 - n0,
         }
 
@@ -184,7 +187,7 @@ def run_client(cfg, url: str, cmd: list[str], log: Path, n: int, env: dict | Non
     """Run one client command pinned to the client core, its output in `log`. Returns (exit status, CPU
     figures, wall seconds)."""
     cmd = launcher(cfg, cfg.client_core) + cmd
-    probe = Probe(url, cfg.probe_period)
+    probe = Probe(url, cfg.probe_period, getattr(cfg, "server_pid", None))
     t = time.monotonic()
     with cpu_hog(cfg), open(log, "w") as fh:
         fh.write(" ".join(cmd) + "\n\n")
@@ -351,6 +354,7 @@ def fake_server(cfg, port: int, work: Path):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"fake server did not start: {tail(log)}")
             time.sleep(0.2)
+        cfg.server_pid = proc.pid  # taskset and nice exec the server: the same pid
         yield url
     finally:
         proc.terminate()
@@ -801,6 +805,7 @@ def brief(r: dict) -> str:
         parts.append(f"lag p50 {r['lag_p50_ms']:.2f} p99 {r['lag_p99_ms']:.2f} ms")
     if "cpu_us_per_request" in r:
         parts.append(f"CPU {r['cpu_us_per_request']:,.0f} us/req ({r['cpu_utilisation']:.0%} of a core)")
+        parts.append(f"server {r.get('server_cpu_utilisation', math.nan):.0%} of its core")
     if r.get("first_error"):
         parts.append(f"first error: {r['first_error'][:80]!r}")
     return ", ".join(parts)
@@ -833,7 +838,8 @@ def report(cfg, clients, skipped, runs, scenarios, load) -> dict:
         table[scen] = {}
         for c in clients:
             rs = by_client[c]
-            row = {k: median_of(rs, k) for k in ("completed_rps", "lag_p50_ms", "lag_p99_ms", "cpu_us_per_request")}
+            keys = ("completed_rps", "lag_p50_ms", "lag_p99_ms", "cpu_us_per_request", "server_cpu_utilisation")
+            row = {k: median_of(rs, k) for k in keys}
             row["failed"] = sum(r.get("failed", 0) for r in rs)
             row["own_rps"] = median_of(rs, "request_throughput", "own")
             row["cpu_bound_rps"] = 1e6 / row["cpu_us_per_request"] if row["cpu_us_per_request"] else None

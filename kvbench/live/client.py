@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import time
 
 import aiohttp
-import orjson
+from yarl import URL
 
+from kvbench.live.http1 import BadAnswer, BodyCut, ConnectionDropped, Pool
 from kvbench.live.pacing import Outcome
+from kvbench.live.sse import BODY_SHOWN, EventStream, StreamError
 from kvbench.redact import redact_text
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 JSON = {"Content-Type": "application/json"}
 ERROR_TEXT = 300  # characters of an error kept in the record
-BODY_SHOWN = 200  # characters of an unexpected answer's body quoted in an error
-SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")  # what a line of an event stream starts with
-
-
-class StreamError(Exception):
-    """A fault found while reading an answer; its message is the request's error, class first."""
+# headers that change how an answer is framed or encoded: given by the caller, they leave requests to aiohttp
+USER_AGENT = aiohttp.http.SERVER_SOFTWARE  # what aiohttp sends: a server sees the same client either way
+FRAMING = {"host", "content-length", "transfer-encoding", "accept-encoding", "connection", "expect", "te", "upgrade"}
 
 
 def one_line(text: str, limit: int = ERROR_TEXT) -> str:
@@ -56,6 +54,10 @@ def describe_exception(exc: BaseException) -> str:
 
 
 class OpenAIClient:
+    """Streams requests to an OpenAI-compatible server. Plain-http servers get kvbench's own HTTP/1.1 client
+    (`kvbench.live.http1`, a fraction of aiohttp's CPU per request); https, and requests whose connection
+    cannot be opened, go through aiohttp. `session` (aiohttp) is there for everything else a run asks."""
+
     def __init__(
         self,
         url: str,
@@ -74,26 +76,30 @@ class OpenAIClient:
         self.headers.update(headers or {})
         self.origin = origin  # perf_counter value of the run's start: Outcome times are relative to it
         self.session: aiohttp.ClientSession | None = None
+        self.pool: Pool | None = None
+        self.request_head = _request_head(URL(self.url), self.headers)  # None: aiohttp sends every request
 
     async def __aenter__(self):
         # No connection limit: --max-concurrency is the dispatcher's; a pool limit here would hide queueing.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, headers=self.headers)
+        if self.request_head is not None:
+            u = URL(self.url)
+            self.pool = Pool(u.host, u.port)
         return self
 
     async def __aexit__(self, *exc):
+        if self.pool is not None:
+            self.pool.close()
         await self.session.close()
 
     async def send(self, payload: bytes, o: Outcome) -> None:
         """POST `payload` (a JSON body, already encoded) and stream the answer into `o`."""
         try:
-            async with self.session.post(self.url, data=payload, headers=JSON) as resp:
-                if resp.status != 200:
-                    body = (await resp.text(errors="replace"))[:BODY_SHOWN]
-                    o.status, o.error = "error", one_line(f"http {resp.status}: {body}")
-                    return
-                await self._read_stream(resp, o)
-                o.status = "ok"
+            if self.pool is not None:
+                await self._send_own(payload, o)
+            else:
+                await self._send_aiohttp(payload, o)
         except TimeoutError:
             o.status, o.error = "timeout", f"timeout: no complete answer within {self.timeout.total:g} s"
         except asyncio.CancelledError:
@@ -101,85 +107,72 @@ class OpenAIClient:
             raise
         except StreamError as exc:
             o.status, o.error = "error", one_line(str(exc))
-        except aiohttp.ClientPayloadError:
+        except (aiohttp.ClientPayloadError, BodyCut):
             o.status = "error"
             o.error = f"stream cut: the connection dropped after {len(o.chunk_s)} chunks, before [DONE]"
+        except ConnectionDropped:
+            o.status, o.error = "error", "connection dropped: the server closed the connection before answering"
         except aiohttp.ClientError as exc:
             o.status, o.error = "error", describe_exception(exc)
+        except (BadAnswer, OSError) as exc:
+            o.status, o.error = "error", one_line(f"client error: {type(exc).__name__}: {exc}")
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, o: Outcome) -> None:
-        # The stream is read as it arrives (readany) and cut into lines here: aiohttp's line iterator (a search
-        # and a copy per line) took 9 % of the client's CPU at 16 tokens a request, readany takes 5 %.
-        done, first, rest = False, True, b""
-        clock, origin, endpoint = time.perf_counter, self.origin, self.endpoint
-        event_stream = resp.content_type == "text/event-stream"
-        content = resp.content
-        while not done:
-            data = await content.readany()
-            if data:
-                lines = (rest + data if rest else data).split(b"\n")
-                rest = lines.pop()  # a line not ended yet (b"" when the data ends a line)
-            elif rest:
-                lines, rest = [rest], b""  # the end of the body ends its last line
-            else:
-                break
-            for k, raw in enumerate(lines):
-                line = raw.strip()
-                if first and line and not event_stream and not line.startswith(SSE_FIELDS):
-                    # an HTML error page from a proxy, or a whole JSON answer from a server that ignored "stream"
-                    shown = b"\n".join(lines[k:]) + (b"\n" + rest if rest else b"")
-                    if len(shown) < BODY_SHOWN:
-                        shown += await content.read(BODY_SHOWN)
-                    text = shown.decode("utf-8", "replace")[:BODY_SHOWN]
-                    raise StreamError(f"not an event stream: the server answered {resp.content_type}: {text}")
-                first = first and not line
-                if not line.startswith(b"data:"):
-                    continue  # event separator, keep-alive comment, or SSE fields (event:, id:) we do not use
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
+    async def _send_own(self, payload: bytes, o: Outcome) -> None:
+        async with asyncio.timeout(self.timeout.total):
+            conn = self.pool.take()
+            if conn is None:
                 try:
-                    chunk = orjson.loads(payload)  # one parse per streamed token: orjson is ~3x faster than json
-                except orjson.JSONDecodeError:
-                    raise StreamError(f"malformed event: data that is not JSON: {payload[:80]!r}") from None
-                if "error" in chunk and not chunk.get("choices"):
-                    raise StreamError(f"error event: {chunk['error']}")
-                t = clock() - origin
-                text, reasoning = _content(chunk, endpoint)
-                if text or reasoning:
-                    if not o.chunk_s:
-                        o.first_chunk_s = t
-                    if text and o.first_output_s != o.first_output_s:  # NaN: first visible output
-                        o.first_output_s = t
-                    o.chunk_s.append(t)
-                    o.last_chunk_s = t
-                if "usage" in chunk or "timings" in chunk:
-                    _usage(chunk, o)
-        if not done:
-            raise StreamError(f"stream cut: the server closed the stream after {len(o.chunk_s)} chunks, before [DONE]")
+                    conn = await self.pool.open()
+                except OSError:
+                    # nothing was sent: aiohttp tries, and a failure reads as it always did (refused, DNS, …)
+                    return await self._send_aiohttp(payload, o)
+            fut = conn.post(
+                self.request_head + b"%d\r\n\r\n" % len(payload) + payload, EventStream(o, self.origin, self.endpoint)
+            )
+            try:
+                status, _, body = await fut
+            except BaseException:
+                if conn.fut is fut:  # timed out or cancelled while the answer was coming
+                    conn.abort()
+                raise
+        if status != 200:
+            o.status, o.error = "error", one_line(f"http {status}: {body[:BODY_SHOWN]}")
+            return
+        o.status = "ok"
+
+    async def _send_aiohttp(self, payload: bytes, o: Outcome) -> None:
+        async with self.session.post(self.url, data=payload, headers=JSON) as resp:
+            if resp.status != 200:
+                body = (await resp.text(errors="replace"))[:BODY_SHOWN]
+                o.status, o.error = "error", one_line(f"http {resp.status}: {body}")
+                return
+            sse = EventStream(o, self.origin, self.endpoint)
+            sse.start(resp.content_type)
+            content = resp.content
+            while True:
+                data = await content.readany()  # as it arrives: one call per read, not per line
+                if not data:
+                    sse.end()  # raises unless [DONE] came
+                    break
+                if sse.feed(data):
+                    break
+            o.status = "ok"
 
 
-def _content(chunk: dict, endpoint: str) -> tuple[str, str]:
-    choices = chunk.get("choices") or ()
-    if not choices:
-        return "", ""
-    c = choices[0]
-    if endpoint == "completions":
-        return c.get("text") or "", ""
-    delta = c.get("delta") or {}
-    # vLLM names the reasoning stream reasoning_content (older) or reasoning; SGLang reasoning_content
-    return delta.get("content") or "", delta.get("reasoning_content") or delta.get("reasoning") or ""
-
-
-def _usage(chunk: dict, o: Outcome) -> None:
-    usage = chunk.get("usage")
-    if usage:
-        o.prompt_tokens = usage.get("prompt_tokens", o.prompt_tokens)
-        o.completion_tokens = usage.get("completion_tokens", o.completion_tokens)
-        details = usage.get("prompt_tokens_details") or {}
-        if details.get("cached_tokens") is not None:
-            o.cached_tokens = details["cached_tokens"]
-    timings = chunk.get("timings")  # llama.cpp: tokens reused from its prompt cache
-    if timings and timings.get("cache_n") is not None and o.cached_tokens is None:
-        o.cached_tokens = timings["cache_n"]
+def _request_head(url: URL, headers: dict[str, str]) -> bytes | None:
+    """The head of every streamed POST up to its Content-Length value; None when aiohttp must send them (https,
+    a caller's header that changes the answer's framing, one that is not latin-1)."""
+    if url.scheme != "http" or not url.host or any(k.lower() in FRAMING for k in headers):
+        return None
+    host = f"[{url.host}]" if ":" in url.host else url.host
+    if not url.is_default_port():
+        host += f":{url.port}"
+    lines = [f"POST {url.raw_path_qs} HTTP/1.1", f"Host: {host}", "Accept: */*", f"User-Agent: {USER_AGENT}"]
+    lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() != "content-type"]
+    lines += ["Content-Type: application/json", "Content-Length: "]
+    if any(c in line for line in lines for c in "\r\n"):
+        return None  # aiohttp refuses such a header, with its own error
+    try:
+        return "\r\n".join(lines).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
