@@ -166,8 +166,6 @@ class SimBackend:
         that can carry their cache across chunks, and the Belady bound with its next uses computed out of core
         first (`kvbench.cache.bound_stream`); when the scratch disk cannot hold them, the bound is left out and
         said to be (`Skipped`)."""
-        if self.curve:
-            raise KvbenchError("--curve needs the whole trace in memory; drop --curve or replay with --no-stream")
         if self.reference:
             raise KvbenchError("--reference needs the whole trace in memory; replay with --no-stream")
         pols = [_policies.get(n) for n in self.policies]
@@ -181,18 +179,30 @@ class SimBackend:
         for pol in pols:
             self._check_needs(pol, scanned.filled)
         check_quota_tenants(self.policy_options, scanned.tenant_names)
-        caps = parse_capacities(self.capacity_spec, scanned.meta.block_size, self.model, self.kv_dtype)
+        bs = scanned.meta.block_size
+        caps = parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype) if self.capacity_spec else []
         for pol in pols:
             if pol.name != BOUND:
                 for cap in caps:
                     yield _StreamedPoint(self, pol, cap, scanned)
-        if caps and (BOUND in self.policies or self.bound):
+        if self.curve:
+            # lru_curve holds the dense keys, depths and a Fenwick tree over every block reference (int32 each)
+            need = 12 * scanned.block_references / 2**30
+            yield Skipped(
+                "lru curve",
+                f"the one-pass curve holds about 12 bytes per block reference in memory ({need:.1f} GiB for this "
+                f"trace's {scanned.block_references:,}), which a streamed replay does not; replay with --no-stream "
+                "for it",
+            )
+        if (caps and (BOUND in self.policies or self.bound)) or (self.curve and self.bound):
             yield from self._streamed_bound(scanned, caps, progress)
 
     def _streamed_bound(self, scanned, caps, progress) -> Iterator[StreamedPoint]:
         """The Belady points of a streamed replay: one pass computes the next uses onto scratch disk ($TMPDIR),
-        which every capacity then reads chunk by chunk; the scratch files go when the last point is done."""
+        which every capacity then reads chunk by chunk; the scratch files go when the last point is done. With
+        --curve, also the capacities `_curves` gives the bound (from the distinct blocks the pass counts)."""
         from kvbench.cache.bound_stream import next_uses, spill_check
+        from kvbench.cache.capacity import Capacity
 
         why = spill_check(scanned.block_references)
         if why is not None:
@@ -206,6 +216,9 @@ class SimBackend:
         with next_uses(scanned, use_salt=self.salt, share_lora=self.share_lora_kv, progress=report) as nu:
             for cap in caps:
                 yield _StreamedBound(self, nu, cap, scanned)
+            if self.curve and self.bound:
+                for blocks in _curve_bound_blocks(nu.unique):
+                    yield _StreamedBound(self, nu, Capacity(str(blocks), int(blocks)), scanned)
 
     def _point(self, pol, prep, blocks: int, text: str) -> PointResult:
         run = pol.reference if self.reference else pol.kernel
@@ -228,8 +241,13 @@ class SimBackend:
             yield PointResult(labels={"policy": pol.name}, extra={"curve": curve.summary(grid)})
         if self.bound:
             prep = prepared_for(BOUND)
-            for blocks in np.unique(np.geomspace(max(prep.n_keys // 1000, 1), prep.n_keys, 8).astype(np.int64)):
+            for blocks in _curve_bound_blocks(prep.n_keys):
                 yield self._point(_policies.get(BOUND), prep, int(blocks), str(blocks))
+
+
+def _curve_bound_blocks(n_keys: int) -> np.ndarray:
+    """The capacities at which --curve also runs the Belady bound: 8, up to the trace's distinct blocks."""
+    return np.unique(np.geomspace(max(n_keys // 1000, 1), n_keys, 8).astype(np.int64))
 
 
 def _labels(pol, blocks: int) -> dict:

@@ -64,6 +64,7 @@ class NextUseFile:
         self.dir = tempfile.mkdtemp(prefix="kvbench-nextuse-", dir=tmpdir)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
         self._parts: list = [None] * (1 << self.bits)  # opened on first write
+        self.unique = 0  # distinct blocks, known after `finish`
         self._pos = 0  # references added so far
         self._rows = 0  # requests added so far
         self._flat = os.path.join(self.dir, "next_use.i8")
@@ -165,6 +166,7 @@ class NextUseFile:
         first[1:] = h[starts[1:]] != h[starts[:-1]]
         run_first = pos[starts[first]][np.cumsum(first) - 1].astype(np.int64)  # its block's first position
         run_nu = self.n + 1 + run_first  # no next use, until the next run of the block says otherwise
+        self.unique += int(np.count_nonzero(first))
         later = ~first[1:]
         run_nu[:-1][later] = r[starts[1:]][later]
         nu = np.repeat(run_nu, np.diff(np.append(starts, h.size)))

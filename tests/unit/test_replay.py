@@ -212,7 +212,7 @@ def test_streamed_replay_equals_in_memory(tmp_path, sample):
     ("extra", "message"),
     [
         (("--policy", "radix-lru"), "needs the whole trace in memory"),
-        (("--policy", "lru", "--curve"), "--curve needs the whole trace"),
+        (("--policy", "lru", "--reference"), "--reference needs the whole trace"),
     ],
 )
 def test_stream_refuses_what_needs_the_whole_trace(tmp_path, extra, message):
