@@ -60,7 +60,7 @@ class NextUseFile:
         self.m, self.n = int(block_references), int(n_requests)
         self.partition_refs = max(int(partition_refs), 1)
         # 2**bits >= m / partition_refs, at most _MAX_BITS: a partition file stays open for the whole first pass
-        self.bits = min(_MAX_BITS, max(0, int(-(-self.m // self.partition_refs) - 1).bit_length()))
+        self.bits = min(_MAX_BITS, (max(1, -(-self.m // self.partition_refs)) - 1).bit_length())
         self.dir = tempfile.mkdtemp(prefix="kvbench-nextuse-", dir=tmpdir)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
         self._parts: list = [None] * (1 << self.bits)  # opened on first write

@@ -51,6 +51,32 @@ def test_next_uses_equal_in_memory(path, tmp_path):
     assert not list(tmp_path.iterdir())  # the scratch directory is gone
 
 
+@pytest.mark.parametrize("chunks", [1, 5, 40])
+def test_next_uses_of_repeats_within_a_request(tmp_path, chunks):
+    """A block referenced twice by one request (not in prefix-chained ids, but any ids are taken): both
+    references' next use is the next request's, as in memory; an empty trace has none."""
+    from kvbench.cache.densify import next_request_use
+
+    rng = np.random.default_rng(5)
+    offsets = np.concatenate(([0], np.cumsum(rng.integers(0, 9, 400))))
+    ids = rng.integers(0, 60, offsets[-1]).astype(np.uint64)
+    keys = np.unique(ids, return_inverse=True)[1].astype(np.int32)
+    want = next_request_use(keys, offsets, int(keys.max()) + 1).astype(np.int64)
+    first = np.array([np.flatnonzero(ids == x)[0] for x in ids])
+    want = np.where(want == 401, 401 + first, want)
+    with NextUseFile(ids.size, 400, tmpdir=tmp_path, partition_refs=100) as nu:
+        for rows in np.array_split(np.arange(400), chunks):
+            lo, hi = offsets[rows[0]], offsets[rows[-1] + 1]
+            nu.add(ids[lo:hi], offsets[rows[0] : rows[-1] + 2] - lo)
+        nu.finish()
+        np.testing.assert_array_equal(nu.read(0, ids.size), want)
+        assert nu.unique == np.unique(ids).size
+    with NextUseFile(0, 0, tmpdir=tmp_path) as empty:
+        empty.add(np.zeros(0, np.uint64), np.zeros(1, np.int64))
+        empty.finish()
+        assert empty.read(0, 0).size == 0
+
+
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
 def test_bound_equals_in_memory(path, tmp_path):
     table, meta = read_trace(path)
