@@ -15,7 +15,14 @@ beside the rate of one contiguous copy of the same byte size between the same ki
 (`bandwidth.baseline_bytes_per_s`) and beside the datasheet peak (`bandwidth.peak_bytes_per_s` of the
 detected or `--hardware` preset). Block mode between tensor pools is also timed, in turns, against the plain
 per-block `copy_` loop one would write over the same pools and slots (`vs_naive_loop`: above 1, the Mover is
-faster). After timing, the moved blocks are compared byte for byte (`ok`).
+faster). Between HBM and DRAM each move is also timed, in turns, against one contiguous copy of the same bytes
+between the same kinds of memory (pinned host memory on CUDA: the measured PCIe/NVLink rate), and
+`vs_contiguous` is the median of the per-round ratios (one noise for both, where `vs_baseline` compares with a
+best-of measured once). After timing, the moved blocks are compared byte for byte (`ok`).
+
+Targets (issue 18), checked per cell (`target`, `target_met`) and summarised per mode (`targets`): block mode at
+least as fast as the naive loop (`vs_naive_loop` ≥ 1); coalesced and staged moves between HBM and DRAM at
+≥ 90 % of the contiguous copy on a CPU, ≥ 80 % on CUDA. A miss is reported, not an error: the exit status is 0.
 
 The disk tier is read through the page cache unless --disk-sync is given (then writes are fdatasync'ed and
 dropped from the cache, and the file is dropped from the cache before each timed read). The sweep stops
@@ -52,6 +59,9 @@ MIN_BLOCKS = 4  # a batch of fewer blocks says nothing about scattered slots
 # Linux caps one preadv/pwritev at IOV_MAX (1024) buffers and DiskPool passes one buffer per block, so a
 # contiguous run longer than this would fail in the disk directions (EINVAL), not measure anything.
 MAX_BLOCKS = 1024
+# least vs_contiguous of a coalesced or staged move between HBM and DRAM, by device type (issue 18)
+CONTIGUOUS_TARGET = {"cpu": 0.90, "cuda": 0.80}
+NAIVE_TARGET = 1.0  # least vs_naive_loop of block mode
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -164,8 +174,42 @@ def naive_loop(src, ss: list[int], dst, ds: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(a, mover: Mover, direction: str, src, dst, ss: list[int], ds: list[int]) -> dict:
-    times, naive = [], []
+class Contiguous:
+    """One contiguous copy of `nbytes` between the memories of a direction (hbm, dram; pinned host memory on
+    CUDA), timed the way the Mover times (CUDA events on the GPU): what a move of the same bytes is compared
+    with, in turns."""
+
+    def __init__(self, direction: str, nbytes: int, device: torch.device):
+        src, dst = direction.split("->")
+        self.cuda = device.type == "cuda"
+        place = {"hbm": device, "dram": torch.device("cpu")}
+        self.a = torch.empty(nbytes, dtype=torch.uint8, device=place[src], pin_memory=self.cuda and src == "dram")
+        self.b = torch.empty(nbytes, dtype=torch.uint8, device=place[dst], pin_memory=self.cuda and dst == "dram")
+        self.a.fill_(1)  # fault the pages in: a first touch is not a copy
+        self.b.fill_(0)
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter_ns()
+            self.b.copy_(self.a)
+            return (time.perf_counter_ns() - t0) / 1e9
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.b.copy_(self.a, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def target_of(mode: str, direction: str, device: torch.device) -> tuple[str, float] | None:
+    """(the row's field, its least value) that a cell must reach, or None where the issue sets no target."""
+    if "ssd" in direction:
+        return None
+    return ("vs_naive_loop", NAIVE_TARGET) if mode == "block" else ("vs_contiguous", CONTIGUOUS_TARGET[device.type])
+
+
+def measure(a, mover: Mover, direction: str, src, dst, ss: list[int], ds: list[int], contiguous=None) -> dict:
+    times, naive, ratios = [], [], []
     t = mover.traffic[direction]  # one Mover serves several cells: count this cell's moves as differences
     calls, copies = t.calls, t.copies
     # block mode between tensor pools is timed beside the naive loop, in turns (one noise for both)
@@ -181,12 +225,19 @@ def measure(a, mover: Mover, direction: str, src, dst, ss: list[int], ds: list[i
             elapsed = naive_loop(src, ss, dst, ds)
             if rep:
                 naive.append(elapsed)
+        if contiguous is not None:
+            elapsed = contiguous.seconds()
+            if rep:
+                ratios.append(elapsed / times[-1])
     nbytes = len(ss) * src.geometry.block_bytes
     best, med = min(times), statistics.median(times)
     extra = {}
     if naive:
         extra = {"naive_loop_median_gb_per_s": nbytes / statistics.median(naive) / 1e9,
                  "vs_naive_loop": statistics.median(naive) / med}  # fmt: skip
+    if ratios:
+        extra["vs_contiguous"] = statistics.median(ratios)
+        extra["contiguous_median_gb_per_s"] = extra["vs_contiguous"] * nbytes / med / 1e9
     return {
         **extra,
         "copies_per_move": (t.copies - copies) / (t.calls - calls),
@@ -250,6 +301,7 @@ def sweep(a) -> dict:
         task = progress.add_task("sweep", total=len(todo))
         progress.start()
     pools, pools_bt, pools_error, movers, i = None, None, None, {}, 0
+    contiguous: dict[tuple, Contiguous] = {}  # (direction, bytes): one pair of buffers per block size
     try:
         for i, (bt, layout, mode, slots, direction) in enumerate(todo):
             used = time.perf_counter() - t_start
@@ -261,6 +313,7 @@ def sweep(a) -> dict:
                 for m in movers.values():
                     m.close()  # one Mover per block size and mode: give back its locked staging buffers
                 movers = {}
+                contiguous.clear()
                 if pools is not None:
                     pools.close()
                 pools, pools_bt = None, bt
@@ -289,7 +342,16 @@ def sweep(a) -> dict:
                     movers[mode] = Mover(mode, a.device)
                 mover = movers[mode]
                 src, dst = pools.pool(src_tier, layout), pools.pool(dst_tier, layout)
-                row.update(measure(a, mover, direction, src, dst, ss, ds))
+                target = target_of(mode, direction, a.device)
+                ref = None
+                if target is not None:
+                    key = (direction, row["batch_bytes"])
+                    if key not in contiguous:
+                        contiguous[key] = Contiguous(direction, row["batch_bytes"], a.device)
+                    ref = contiguous[key]
+                row.update(measure(a, mover, direction, src, dst, ss, ds, ref))
+                if target is not None and row.get(target[0]) is not None:
+                    row.update(target=f"{target[0]} >= {target[1]:g}", target_met=row[target[0]] >= target[1])
                 key = (direction, row["batch_bytes"])
                 if key not in baselines:
                     baselines[key] = baseline_bytes_per_s(direction, row["batch_bytes"], a.device, a.disk_dir)
@@ -329,6 +391,23 @@ def best_by_direction(rows: list[dict]) -> dict:
     return out
 
 
+def target_summary(rows: list[dict]) -> dict:
+    """Per mode and slots: the median, least and greatest of the targeted ratio over the cells, and how many cells
+    met the bar."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if "target" in r:
+            groups.setdefault(f"{r['mode']} {r['slots']}", []).append(r)
+    out = {}
+    for name, rs in groups.items():
+        field, bar = rs[0]["target"].split(" >= ")
+        values = [r[field] for r in rs]
+        out[name] = {"field": field, "bar": float(bar), "cells": len(rs), "cells_met": sum(r["target_met"] for r in rs),
+                     "median": statistics.median(values), "min": min(values), "max": max(values),
+                     "median_met": statistics.median(values) >= float(bar)}  # fmt: skip
+    return out
+
+
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -336,7 +415,7 @@ def fmt(v, spec: str) -> str:
 def print_table(result: dict) -> None:
     head = (
         f"{'tok':>4} {'layout':11} {'mode':9} {'slots':10} {'direction':9} {'blocks':>6} {'MiB':>7} "
-        f"{'GB/s':>7} {'median':>7} {'base':>7} {'x base':>6} {'peak':>6} {'x peak':>6} ok  x naive loop"
+        f"{'GB/s':>7} {'median':>7} {'base':>7} {'x base':>6} {'peak':>6} {'x peak':>6} ok  x naive x contig target"
     )
     print(head + "\n" + "-" * len(head))
     for r in result["rows"]:
@@ -347,10 +426,18 @@ def print_table(result: dict) -> None:
         if "error" in r:
             print(lead + "ERROR " + r["error"])
             continue
+        verdict = "" if "target" not in r else "pass" if r["target_met"] else "FAIL"
         print(
             lead + f"{fmt(r['gb_per_s'], '7.2f')} {fmt(r['median_gb_per_s'], '7.2f')} "
             f"{fmt(r['baseline_gb_per_s'], '7.2f')} {fmt(r['vs_baseline'], '6.2f')} {fmt(r['peak_gb_per_s'], '6.1f')} "
-            f"{fmt(r['vs_peak'], '6.2f')} {'yes' if r['ok'] else 'NO '} {fmt(r.get('vs_naive_loop'), '6.2f')}"
+            f"{fmt(r['vs_peak'], '6.2f')} {'yes' if r['ok'] else 'NO '} {fmt(r.get('vs_naive_loop'), '7.2f')} "
+            f"{fmt(r.get('vs_contiguous'), '8.2f')} {verdict}"
+        )
+    for name, t in result.get("targets", {}).items():
+        verdict = "met" if t["median_met"] else "NOT MET"
+        print(
+            f"target {name:22} {t['field']} >= {t['bar']:g}: median {t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f}), "
+            f"{t['cells_met']}/{t['cells']} cells pass; median {verdict}"
         )
 
 
@@ -380,6 +467,7 @@ def main(argv=None) -> dict:
         "units": {"gb_per_s": "1e9 bytes/s", "best_s": "s per batch", "batch_bytes": "bytes"},
         **res,
         "best_by_direction": best_by_direction(res["rows"]),
+        "targets": target_summary(res["rows"]),
         "errors": sum("error" in r for r in res["rows"]),
         "mismatches": sum(r.get("ok") is False for r in res["rows"]),
     }

@@ -6,7 +6,10 @@ then `index_copy_` goes through an intermediate (every byte read and written twi
 CPU is an element loop well below memcpy speed), and a `copy_` per block spends microseconds of dispatch on a
 16 KiB block, as long as the bytes take. Engines do the same thing in C++ (vLLM's `swap_blocks` on a CPU is a
 loop of memcpy over (src, dst) block pairs); here the loop is a numba kernel over byte offsets planned with
-numpy, so a move costs one call whatever the number of blocks.
+numpy, so a move costs one call whatever the number of blocks. A move of at least `PARALLEL_BYTES` is shared
+among as many threads as torch's own copies use (`torch.get_num_threads()`), split by bytes (large chunks cut
+into `SPLIT_BYTES` pieces), so that it is held to the same resources as the contiguous `copy_` it is
+compared with.
 
 A pool tensor is described by its layout (`geometry.block_dim`): block-major `[blocks, *block_shape]` (a block
 is one contiguous chunk) or layer-first `[layers, kv, blocks, ...]` (a block is `layers × kv` pieces, each
@@ -25,6 +28,9 @@ import torch
 from llvmlite import ir
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+PARALLEL_BYTES = 1 << 20  # smaller moves stay on one thread: waking the others costs more than it saves
+SPLIT_BYTES = 1 << 20  # a chunk longer than this is cut, so that one long run can be shared among threads
 
 
 @intrinsic
@@ -47,12 +53,43 @@ def _copy_chunks(dst, doff, src, soff, size):  # pragma: no cover  (compiled; Py
         _move(dst + doff[i], src + soff[i], size[i])
 
 
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _copy_chunks_parallel(dst, doff, src, soff, size, bounds):  # pragma: no cover  (compiled)
+    for part in numba.prange(bounds.shape[0] - 1):  # one part per thread, parts of about equal bytes
+        for i in range(bounds[part], bounds[part + 1]):
+            _move(dst + doff[i], src + soff[i], size[i])
+
+
 _OFFSETS = numba.types.Array(numba.types.int64, 1, "C", readonly=False)
 
 
 def ready() -> None:
-    """Compile (or load from numba's cache) the kernel now, so that no timed move pays for it."""
-    _copy_chunks.compile((numba.types.int64, _OFFSETS, numba.types.int64, _OFFSETS, _OFFSETS))
+    """Compile (or load from numba's cache) the kernels now, so that no timed move pays for it."""
+    i64 = numba.types.int64
+    _copy_chunks.compile((i64, _OFFSETS, i64, _OFFSETS, _OFFSETS))
+    _copy_chunks_parallel.compile((i64, _OFFSETS, i64, _OFFSETS, _OFFSETS, _OFFSETS))
+
+
+def _threads() -> int:
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+def _run(dst_addr: int, doff: np.ndarray, src_addr: int, soff: np.ndarray, size: np.ndarray) -> None:
+    """The chunks, on one thread or shared among `_threads()` by bytes."""
+    total, threads = int(size.sum()), _threads()
+    if threads == 1 or total < PARALLEL_BYTES:
+        _copy_chunks(dst_addr, doff, src_addr, soff, size)
+        return
+    pieces = -(-size // SPLIT_BYTES)
+    if (pieces > 1).any():  # cut the long chunks: piece j of a chunk starts j × SPLIT_BYTES into it
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        within = (np.arange(first.size, dtype=np.int64) - first) * SPLIT_BYTES
+        soff, doff = np.repeat(soff, pieces) + within, np.repeat(doff, pieces) + within
+        size = np.minimum(np.repeat(size, pieces) - within, SPLIT_BYTES)
+    ends = np.cumsum(size)
+    bounds = np.searchsorted(ends, total * np.arange(1, threads, dtype=np.int64) // threads, side="right")
+    bounds = np.ascontiguousarray(np.concatenate(([0], bounds, [size.size])), dtype=np.int64)
+    _copy_chunks_parallel(dst_addr, doff, src_addr, soff, size, bounds)
 
 
 def pieces_of(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -108,5 +145,5 @@ def copy_blocks(dst: torch.Tensor, dst_layout: str, ds, src: torch.Tensor, src_l
     p = np.arange(pieces, dtype=np.int64)[:, None]
     soff = np.ascontiguousarray((ss[None, :] * s_slot + p * s_piece).ravel())
     doff = np.ascontiguousarray((ds[None, :] * d_slot + p * d_piece).ravel())
-    _copy_chunks(dst.data_ptr(), doff, src.data_ptr(), soff, np.ascontiguousarray(np.tile(sizes, pieces)))
+    _run(dst.data_ptr(), doff, src.data_ptr(), soff, np.ascontiguousarray(np.tile(sizes, pieces)))
     return int(starts.size)

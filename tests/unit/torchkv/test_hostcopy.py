@@ -96,3 +96,19 @@ def test_mover_round_trip_hbm_dram_hbm_is_byte_exact(mode, layout, slots):
     expected = {"block": 16, "coalesced": len(runs(src, via)), "staged": 1}[mode]
     assert mover.traffic["hbm->dram"].copies == expected
     assert mover.traffic["dram->hbm"].bytes == 16 * hbm.geometry.block_bytes
+
+
+@pytest.mark.parametrize("layouts", [("block_major", "block_major"), ("layer_first", "layer_first"),
+                                     ("layer_first", "block_major")])  # fmt: skip
+@pytest.mark.parametrize("slots", ["runs", "contiguous", "scattered"])
+def test_shared_among_threads_with_long_chunks_cut(monkeypatch, layouts, slots):
+    """The parallel kernel: any move is shared (PARALLEL_BYTES 0) among 3 parts, and chunks are cut every 1000
+    bytes (not a divisor of any piece), so that a part boundary and a cut fall inside blocks."""
+    monkeypatch.setattr(hostcopy, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
+    monkeypatch.setattr(hostcopy, "_threads", lambda: 3)
+    ss, ds = SLOTS[slots]
+    src, dst = _pool("src", layouts[0], 48, seed=6), _pool("dst", layouts[1], 48)
+    hostcopy.copy_blocks(dst.data, layouts[1], ds, src.data, layouts[0], ss)
+    assert torch.equal(_blocks(dst, ds), _blocks(src, ss))
+    assert bool((_blocks(dst, [s for s in range(48) if s not in ds]) == 0xAB).all())
