@@ -370,6 +370,9 @@ def _hook(inst: Instance) -> None:
     born, lifetimes = inst.born, inst.lifetimes
     # with no tier below HBM the tiers have nothing to do: not called (twice per block of a long replay)
     admitted, left = (tiers.admitted, tiers.evicted) if tiers.lower else (None, None)
+    if hasattr(cache, "track"):  # the quick pool does the same in its own insert and evict, in the same order
+        cache.track(inst, born, lifetimes, admitted, left)
+        return
 
     def inserted(key):
         insert(key)

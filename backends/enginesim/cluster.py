@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 from kvbench.backends.enginesim.engine import Instance, Req
 
+from kvbench.cache.policies.vllm import VllmPool
 from kvbench.registry import Registry
 
 ROUTERS: Registry[Callable] = Registry(None, "router")  # the routers below register with @router
@@ -55,20 +56,27 @@ def _prefix_affinity(instances, req, state):
 def _cache_aware(instances, req, state):
     """Longest cached prefix, load-balanced: cached tokens save prefill, queued tokens add waiting; both are
     tokens, so the score is their difference (ties go to the less loaded instance)."""
-
-    def score(inst):
+    keys, top = req.keys, req.max_hit
+    best = best_score = None
+    for inst in instances:
         # binary search for the cached prefix (a prefix cache keeps prefixes: block i cached implies the
         # blocks before it, up to rare exceptions); a router's estimate, as real cache-aware routers keep
-        lo, hi, keys, contains = 0, req.max_hit, req.keys, inst.cache.contains
+        cache = inst.cache
+        if type(cache).contains is VllmPool.contains and "contains" not in vars(cache):
+            contains = cache.copies.__contains__  # (what VllmPool.contains does, without its call)
+        else:
+            contains = cache.contains
+        lo, hi = 0, top
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if contains(keys[mid - 1]):
                 lo = mid
             else:
                 hi = mid - 1
-        return (lo * inst.bs - inst.load, -inst.routed, -inst.index)
-
-    return max(instances, key=score)
+        score = (lo * inst.bs - inst.load, -inst.routed, -inst.index)
+        if best is None or score > best_score:  # (max's choice: the first of equal scores)
+            best, best_score = inst, score
+    return best
 
 
 def simulate(

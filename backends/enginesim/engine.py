@@ -97,7 +97,7 @@ class Instance:
         """Tokens queued or in flight: what least-loaded routing balances. The running part is summed once per
         iteration, not per routing decision (plan and finish_step, which change it, drop the sum)."""
         if self._run_load is None:
-            self._run_load = sum(r.todo + r.n_out - r.generated for r in self.running)
+            self._run_load = sum([r.todo + r.n_out - r.generated for r in self.running])  # (a list sums faster)
         return self._run_load + self.queued_tokens
 
     # --- admission ----------------------------------------------------------------------------------------

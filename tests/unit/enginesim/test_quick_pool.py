@@ -42,17 +42,40 @@ def state(pool):
     )
 
 
+class Clock:
+    now = 0.0
+
+
+@pytest.mark.parametrize("tracked", [False, True])
 @pytest.mark.parametrize("capacity", [40, 400, 100_000])
-def test_the_same_calls_leave_both_pools_in_the_same_state(capacity):
+def test_the_same_calls_leave_both_pools_in_the_same_state(capacity, tracked):
     """Requests begun, grown chunk by chunk, held past their prompt, checked for admission and ended in a random
-    overlapping order, with keys outside the trace held too (multi-LoRA's delta pages)."""
+    overlapping order, with keys outside the trace held too (multi-LoRA's delta pages). Tracked, as engine-sim
+    runs it (the blocks' lives timed, insert's and evict's work done inline), the quick pool also times each
+    block's life as the hooks on the reference do."""
     table, meta = read_trace(SAMPLES / "multi-tenant.parquet")
     prep = prepare(table.slice(0, 300), meta.block_size, vllm_cap=True)
     ref, quick = VllmPool(prep, capacity, {}), QuickPool(prep, capacity, {})
+    clock, born, lifetimes = Clock(), {}, []
+    if tracked:
+        quick.track(clock, born, lifetimes)
+        insert, evict = ref.insert, ref.evict
+        ref_born, ref_lifetimes = {}, []
+
+        def inserted(key):
+            insert(key)
+            ref_born[key] = clock.now
+
+        def evicted(key):
+            evict(key)
+            ref_lifetimes.append(clock.now - ref_born.pop(key, clock.now))
+
+        ref.insert, ref.evict = inserted, evicted
     rng = random.Random(capacity)
     running: dict[int, int] = {}  # row -> tokens of KV so far
     row = 0
     for _ in range(3000):
+        clock.now += rng.random()
         action = rng.random()
         if (action < 0.3 or not running) and row < prep.n_requests:
             tokens = int(prep.input_tokens[row]) + 1
@@ -80,6 +103,9 @@ def test_the_same_calls_leave_both_pools_in_the_same_state(capacity):
         quick.end(r)
     assert state(ref) == state(quick)
     assert capacity == 100_000 or quick.out.evictions.sum() > 0  # the small pools did evict
+    if tracked:
+        assert (born, lifetimes) == (ref_born, ref_lifetimes)
+        assert capacity == 100_000 or lifetimes
 
 
 @pytest.mark.parametrize(
