@@ -11,7 +11,11 @@
 #      and `pip install torch` only when the installed torch cannot see CUDA (the machine may be offline: every
 #      failure is reported and the script goes on with what is there);
 #   2. pytest: tests/gpu + tests/unit/torchkv with KVBENCH_TORCH_DEVICE=cuda (at most 300 s);
-#   3. bandwidth: benchmarks/torch_bandwidth.py --budget-s 150 (block-size sweep of transfer rates);
+#   3. bandwidth: benchmarks/torch_bandwidth.py --budget-s 150 (block-size sweep of transfer rates), then the
+#      issue-18 targets, one pass/FAIL line per cell: between HBM and pinned DRAM, coalesced and staged moves at
+#      >= 80 % of one contiguous copy of the same bytes measured in the same rounds (the PCIe/NVLink rate this
+#      machine gets: `vs_contiguous` >= 0.8), block mode at least as fast as the naive per-block loop
+#      (`vs_naive_loop` >= 1). A missed target is reported (targets.log, gpu_check.json), not an exit status;
 #   4. replay: `kvbench replay` of the chat sample with llama3-8b KV on cuda, --compute --verify (at most 180 s).
 #
 # Results go to $OUT when set (the device runner's folder that comes back), else benchmarks/results/gpu_check/:
@@ -159,6 +163,22 @@ if [ "$BW_BUDGET" -ge 20 ]; then
         --disk-dir "$DISK_DIR" --no-progress --out "$BW_JSON" >"$OUT_DIR/bandwidth.log" 2>&1
     BW_RC=$?
     tail -n 30 "$OUT_DIR/bandwidth.log"
+    "$PY" - "$BW_JSON" <<'EOF' 2>&1 | tee "$OUT_DIR/targets.log"
+import json, sys
+try:
+    result = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(f"targets: no bandwidth results ({e})")
+print("targets (issue 18): HBM <-> pinned DRAM coalesced/staged >= 0.8 x contiguous copy; block >= 1 x naive loop")
+for r in result["rows"]:
+    if "target" in r:
+        field = r["target"].split(" >= ")[0]
+        print(f"{'pass' if r['target_met'] else 'FAIL'} {r['block_tokens']:>4} tok {r['layout']:11} {r['mode']:9} "
+              f"{r['slots']:10} {r['direction']:9} {field} {r[field]:.2f} (target {r['target']})")
+for name, t in result.get("targets", {}).items():
+    print(f"{'met' if t['median_met'] else 'NOT MET'}: {name}: median {t['field']} {t['median']:.2f} "
+          f"({t['min']:.2f}-{t['max']:.2f}, {t['cells_met']}/{t['cells']} cells >= {t['bar']:g})")
+EOF
 else
     BW_RC=124
     echo "skipped: out of time" | tee "$OUT_DIR/bandwidth.log"
@@ -244,7 +264,7 @@ summary = {
         "results": Path(env["BW_JSON"]).name if bw else None,  # the full table, beside this file
         "sweep_wall_s": bw.get("wall_s"),
         **{k: bw.get(k) for k in ("device_name", "model", "dtype", "cells", "errors", "mismatches", "stopped_early",
-                                  "best_by_direction")},
+                                  "best_by_direction", "targets")},
     },
     "replay": {
         **stage("REPLAY"), "complete": rs.get("complete"), "interrupted": rs.get("interrupted", False),

@@ -208,36 +208,56 @@ def target_of(mode: str, direction: str, device: torch.device) -> tuple[str, flo
     return ("vs_naive_loop", NAIVE_TARGET) if mode == "block" else ("vs_contiguous", CONTIGUOUS_TARGET[device.type])
 
 
-def measure(a, mover: Mover, direction: str, src, dst, ss: list[int], ds: list[int], contiguous=None) -> dict:
-    times, naive, ratios = [], [], []
+class Scrub:
+    """Writes a buffer twice the size of a large last-level cache before each timed copy on a CPU, so that every
+    copy starts from DRAM: without it the naive loop, run right after the Mover over the same blocks, found them
+    in the cache that the contiguous reference copy had just emptied for the Mover."""
+
+    def __init__(self, device: torch.device, nbytes: int = 64 << 20):
+        self.buf = torch.ones(nbytes, dtype=torch.uint8) if device.type == "cpu" else None
+
+    def __call__(self) -> None:
+        if self.buf is not None:
+            self.buf.add_(1)
+
+
+def measure(a, mover: Mover, direction: str, src, dst, ss: list[int], ds: list[int], contiguous=None, scrub=None):
     t = mover.traffic[direction]  # one Mover serves several cells: count this cell's moves as differences
     calls, copies = t.calls, t.copies
-    # block mode between tensor pools is timed beside the naive loop, in turns (one noise for both)
-    against_naive = mover.mode == "block" and src.kind == dst.kind == "tensor"
+
+    def move() -> float:
+        before = t.seconds
+        mover.copy(direction, src, ss, dst, ds)
+        return t.seconds - before
+
+    # block mode between tensor pools is timed beside the naive loop, and moves between HBM and DRAM beside one
+    # contiguous copy of the same bytes: in turns (one noise for all), the order rotated every round
+    timers = {"move": move}
+    if mover.mode == "block" and src.kind == dst.kind == "tensor":
+        timers["naive"] = lambda: naive_loop(src, ss, dst, ds)
+    if contiguous is not None:
+        timers["contiguous"] = contiguous.seconds
+    names, got = list(timers), {k: [] for k in timers}
     for rep in range(a.repeats + 1):
         if a.disk_sync and src.kind == "disk":  # make the read come from the drive again
             os.posix_fadvise(src.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        before = t.seconds
-        mover.copy(direction, src, ss, dst, ds)
-        if rep:  # the first move allocates staging buffers and faults pages in: untimed
-            times.append(t.seconds - before)
-        if against_naive:
-            elapsed = naive_loop(src, ss, dst, ds)
-            if rep:
-                naive.append(elapsed)
-        if contiguous is not None:
-            elapsed = contiguous.seconds()
-            if rep:
-                ratios.append(elapsed / times[-1])
+        for j in range(len(names)):
+            name = names[(rep + j) % len(names)]
+            if scrub is not None:
+                scrub()
+            elapsed = timers[name]()
+            if rep:  # the first round allocates staging buffers and faults pages in: untimed
+                got[name].append(elapsed)
+    times, naive = got["move"], got.get("naive")
     nbytes = len(ss) * src.geometry.block_bytes
     best, med = min(times), statistics.median(times)
     extra = {}
     if naive:
         extra = {"naive_loop_median_gb_per_s": nbytes / statistics.median(naive) / 1e9,
                  "vs_naive_loop": statistics.median(naive) / med}  # fmt: skip
-    if ratios:
-        extra["vs_contiguous"] = statistics.median(ratios)
-        extra["contiguous_median_gb_per_s"] = extra["vs_contiguous"] * nbytes / med / 1e9
+    if "contiguous" in got:  # the median of the per-round ratios, and the reference's own median rate
+        extra["vs_contiguous"] = statistics.median(c / m for c, m in zip(got["contiguous"], times, strict=True))
+        extra["contiguous_median_gb_per_s"] = nbytes / statistics.median(got["contiguous"]) / 1e9
     return {
         **extra,
         "copies_per_move": (t.copies - copies) / (t.calls - calls),
@@ -302,6 +322,7 @@ def sweep(a) -> dict:
         progress.start()
     pools, pools_bt, pools_error, movers, i = None, None, None, {}, 0
     contiguous: dict[tuple, Contiguous] = {}  # (direction, bytes): one pair of buffers per block size
+    scrub = Scrub(a.device)
     try:
         for i, (bt, layout, mode, slots, direction) in enumerate(todo):
             used = time.perf_counter() - t_start
@@ -349,7 +370,7 @@ def sweep(a) -> dict:
                     if key not in contiguous:
                         contiguous[key] = Contiguous(direction, row["batch_bytes"], a.device)
                     ref = contiguous[key]
-                row.update(measure(a, mover, direction, src, dst, ss, ds, ref))
+                row.update(measure(a, mover, direction, src, dst, ss, ds, ref, scrub))
                 if target is not None and row.get(target[0]) is not None:
                     row.update(target=f"{target[0]} >= {target[1]:g}", target_met=row[target[0]] >= target[1])
                 key = (direction, row["batch_bytes"])

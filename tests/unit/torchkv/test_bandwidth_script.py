@@ -80,3 +80,22 @@ def test_budget_stops_the_sweep_early(tmp_path):
     result = json.loads(out.read_text())
     assert result["stopped_early"] and len(result["rows"]) < result["cells"]
     assert "budget" in proc.stdout
+
+
+def test_targets_are_stated_per_cell_and_summarised(quick):
+    """Moves between HBM and DRAM carry the issue-18 target and the ratio it is judged on (a contiguous copy of
+    the same bytes timed in the same rounds, or the naive loop for block mode); disk directions carry none."""
+    result = quick[0]
+    for r in result["rows"]:
+        if "ssd" in r["direction"]:
+            assert "target" not in r and "vs_contiguous" not in r
+            continue
+        field = "vs_naive_loop" if r["mode"] == "block" else "vs_contiguous"
+        bar = 1.0 if r["mode"] == "block" else 0.9
+        assert r["target"] == f"{field} >= {bar:g}" and r["target_met"] == (r[field] >= bar)
+        assert r["vs_contiguous"] > 0 and r["contiguous_median_gb_per_s"] > 0
+    summary = result["targets"]
+    assert set(summary) == {"block scattered", "coalesced scattered", "coalesced contiguous", "staged scattered"}
+    for t in summary.values():
+        assert t["cells"] == 8 and 0 <= t["cells_met"] <= t["cells"] and t["min"] <= t["median"] <= t["max"]
+    assert "target block scattered" in quick[1]
