@@ -118,23 +118,28 @@ class OpenAIClient:
             o.status, o.error = "error", one_line(f"client error: {type(exc).__name__}: {exc}")
 
     async def _send_own(self, payload: bytes, o: Outcome) -> None:
-        async with asyncio.timeout(self.timeout.total):
-            conn = self.pool.take()
-            if conn is None:
-                try:
-                    conn = await self.pool.open()
-                except OSError:
-                    # nothing was sent: aiohttp tries, and a failure reads as it always did (refused, DNS, …)
-                    return await self._send_aiohttp(payload, o)
-            fut = conn.post(
-                self.request_head + b"%d\r\n\r\n" % len(payload) + payload, EventStream(o, self.origin, self.endpoint)
-            )
+        pool = self.pool
+        deadline = pool.loop.time() + self.timeout.total  # the whole exchange, connecting included (as aiohttp's)
+        conn = pool.take()
+        if conn is None:
             try:
-                status, _, body = await fut
-            except BaseException:
-                if conn.fut is fut:  # timed out or cancelled while the answer was coming
-                    conn.abort()
-                raise
+                async with asyncio.timeout_at(deadline):
+                    conn = await pool.open()
+            except OSError:
+                # nothing was sent: aiohttp tries, and a failure reads as it always did (refused, DNS, …)
+                return await self._send_aiohttp(payload, o)
+        head = self.request_head + b"%d\r\n\r\n" % len(payload)
+        fut = conn.post(head + payload, EventStream(o, self.origin, self.endpoint))
+        # one timer, not a timeout context: the exchange's connection fails the future when it fires
+        timer = pool.loop.call_at(deadline, conn.expire, fut)
+        try:
+            status, _, body = await fut
+        except BaseException:
+            if conn.fut is fut:  # cancelled while the answer was coming: the connection is never reused
+                conn.abort()
+            raise
+        finally:
+            timer.cancel()
         if status != 200:
             o.status, o.error = "error", one_line(f"http {status}: {body[:BODY_SHOWN]}")
             return

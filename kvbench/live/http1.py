@@ -62,6 +62,13 @@ class Connection(asyncio.Protocol):
         self.transport.write(request)
         return fut
 
+    def expire(self, fut: asyncio.Future) -> None:
+        """The request's time is up (its timer): it fails with TimeoutError, the connection is dropped."""
+        if self.fut is fut:
+            self.abort()
+            if not fut.done():
+                fut.set_exception(TimeoutError())
+
     def abort(self) -> None:
         """The request gave up (timeout, cancelled): the connection is in an unknown state, never reused."""
         self.fut = None
@@ -131,7 +138,7 @@ class Connection(asyncio.Protocol):
         self.charset = _charset(ctype)
         self.chunked, self.left = chunked, None if chunked else length
         self.reusable = not close and (chunked or length is not None)
-        self.size = 0  # chunked: bytes left of the current chunk; -1 its CRLF; -2 the trailers
+        self.size, self.trailers = 0, False  # chunked: what the current chunk still owes; past the last chunk
         if status == 200:
             self.sse.start(self.content_type)
         else:
@@ -142,35 +149,46 @@ class Connection(asyncio.Protocol):
         return buf
 
     def _unchunk(self, buf: bytes) -> tuple[bytes, bool]:
-        """The data of the chunks in `buf`, and whether the last chunk came; a partial size line is kept."""
+        """The data of the chunks in `buf`, and whether the last chunk came. A chunk whose data and CRLF are
+        all there (the usual case: one event, one chunk, one read) is taken in one step; `self.size` is what
+        a chunk cut by the end of `buf` still owes (its data, then its CRLF), `self.buf` a partial size line."""
         out, pos, n = [], 0, len(buf)
-        while pos < n:
-            if self.size > 0:
-                take = min(self.size, n - pos)
-                out.append(buf[pos : pos + take])
-                pos += take
-                self.size -= take
-                if self.size == 0:
-                    self.size = -1
-                continue
+        owed = self.size
+        if owed > 0:
+            pos = min(owed, n)
+            if owed > 2:
+                out.append(buf[: min(owed - 2, n)])
+            self.size = owed - pos
+            if self.size:
+                self.buf = b""
+                return b"".join(out), False
+        while True:
             end = buf.find(b"\r\n", pos)
             if end < 0:
                 break
             line, pos = buf[pos:end], end + 2
-            if self.size == -1:  # the CRLF after a chunk's data
-                if line:
-                    raise BodyCut("chunk not followed by CRLF")
-                self.size = 0
-            elif self.size == -2:  # trailer fields, up to an empty line
+            if self.trailers:  # trailer fields, up to an empty line
                 if not line:
                     self.buf = buf[pos:]
                     return b"".join(out), True
+                continue
+            try:
+                size = int(line, 16)
+            except ValueError:
+                size = _chunk_size(line)
+            if not size:
+                self.trailers = True
+                continue
+            stop = pos + size
+            if stop + 2 <= n:
+                if buf[stop : stop + 2] != b"\r\n":
+                    raise BodyCut("a chunk not followed by CRLF")
+                out.append(buf[pos:stop])
+                pos = stop + 2
             else:
-                try:
-                    size = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    raise BodyCut(f"bad chunk size {line[:40]!r}") from None
-                self.size = size if size else -2
+                out.append(buf[pos:stop])
+                self.size, pos = stop + 2 - n, n
+                break
         self.buf = buf[pos:]
         return b"".join(out), False
 
@@ -220,6 +238,14 @@ class Connection(asyncio.Protocol):
             self._finish(False)  # a read-to-close body ends here
         else:
             self._fail(BodyCut("the connection closed inside the body"))
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line with extensions ('1a;name=value'), or one that is no size."""
+    try:
+        return int(line.split(b";", 1)[0], 16)
+    except ValueError:
+        raise BodyCut(f"bad chunk size {line[:40]!r}") from None
 
 
 def _charset(ctype: bytes) -> str:
