@@ -38,6 +38,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -477,6 +478,7 @@ def main(argv=None) -> dict:
     hw = res.pop("hw")
     result = {
         "benchmark": "torch_bandwidth",
+        "command": " ".join(["python", *(sys.argv if argv is None else ["benchmarks/torch_bandwidth.py", *argv])]),
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "device": a.device.type,
         "device_name": torch.cuda.get_device_name(a.device) if cuda else "cpu",
