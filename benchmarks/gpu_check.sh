@@ -165,19 +165,13 @@ if [ "$BW_BUDGET" -ge 20 ]; then
     tail -n 30 "$OUT_DIR/bandwidth.log"
     "$PY" - "$BW_JSON" <<'EOF' 2>&1 | tee "$OUT_DIR/targets.log"
 import json, sys
+from kvbench.backends.torchkv.bandwidth import target_lines
 try:
     result = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as e:
     sys.exit(f"targets: no bandwidth results ({e})")
 print("targets (issue 18): HBM <-> pinned DRAM coalesced/staged >= 0.8 x contiguous copy; block >= 1 x naive loop")
-for r in result["rows"]:
-    if "target" in r:
-        field = r["target"].split(" >= ")[0]
-        print(f"{'pass' if r['target_met'] else 'FAIL'} {r['block_tokens']:>4} tok {r['layout']:11} {r['mode']:9} "
-              f"{r['slots']:10} {r['direction']:9} {field} {r[field]:.2f} (target {r['target']})")
-for name, t in result.get("targets", {}).items():
-    print(f"{'met' if t['median_met'] else 'NOT MET'}: {name}: median {t['field']} {t['median']:.2f} "
-          f"({t['min']:.2f}-{t['max']:.2f}, {t['cells_met']}/{t['cells']} cells >= {t['bar']:g})")
+print("\n".join(target_lines(result)))
 EOF
 else
     BW_RC=124
