@@ -95,20 +95,21 @@ class NextUseFile:
         """The next chunk: ids (uint64[k], block references in prompt order) of requests offsets[i]..offsets[i+1]."""
         ids = np.asarray(ids, np.uint64)
         n_rows = offsets.size - 1
+        h = ids * _MIX  # wraps modulo 2**64 by design
+        r = np.repeat(np.arange(self._rows, self._rows + n_rows, dtype=np.uint32), np.diff(offsets))
+        if self.bits == 0:
+            order = np.arange(ids.size)
+            bounds = np.array([0, ids.size])
+        else:
+            part = (h >> np.uint64(64 - self.bits)).astype(np.uint8)
+            # stable (a radix sort on uint8) keeps trace order within each partition, which `_resolve` relies on
+            order = np.argsort(part, kind="stable")
+            bounds = np.concatenate(([0], np.cumsum(np.bincount(part, minlength=len(self._parts)))))
+        # columns gathered one by one: numpy takes a structured array's rows element by element, 10x slower
         rec = np.empty(ids.size, _RECORD)
-        rec["h"] = ids * _MIX  # wraps modulo 2**64 by design
-        rec["pos"] = np.arange(self._pos, self._pos + ids.size, dtype=np.uint64)
-        rec["r"] = np.repeat(np.arange(self._rows, self._rows + n_rows, dtype=np.uint32), np.diff(offsets))
+        rec["h"], rec["pos"], rec["r"] = h[order], order + np.uint64(self._pos), r[order]
         self._pos += ids.size
         self._rows += n_rows
-        if self.bits == 0:
-            self._write(self._parts, 0, "part", rec)
-            return
-        part = (rec["h"] >> np.uint64(64 - self.bits)).astype(np.intp)
-        # a stable sort keeps trace order within each partition, which `_resolve` relies on
-        order = np.argsort(part, kind="stable")
-        bounds = np.concatenate(([0], np.cumsum(np.bincount(part, minlength=len(self._parts)))))
-        rec = rec[order]
         for p in np.flatnonzero(np.diff(bounds)):
             self._write(self._parts, p, "part", rec[bounds[p] : bounds[p + 1]])
 
@@ -155,31 +156,32 @@ class NextUseFile:
     def _resolve(self, path: str, answers: np.ndarray, group: int) -> None:
         rec = np.fromfile(path, _RECORD)
         os.remove(path)
+        pos = np.ascontiguousarray(rec["pos"])  # ascending: records arrive in trace order
         order = np.argsort(rec["h"], kind="stable")  # each block's references together, still in trace order
-        h, r, pos = rec["h"][order], rec["r"][order], rec["pos"][order]
-        del rec, order
+        h, r = rec["h"][order], rec["r"][order]
+        del rec
         # runs of references of one block by one request: they share the next run's request as next use
         new_run = np.ones(h.size, np.bool_)
         new_run[1:] = (h[1:] != h[:-1]) | (r[1:] != r[:-1])
         starts = np.flatnonzero(new_run)
         first = np.ones(starts.size, np.bool_)  # the block's first run
         first[1:] = h[starts[1:]] != h[starts[:-1]]
-        run_first = pos[starts[first]][np.cumsum(first) - 1].astype(np.int64)  # its block's first position
+        run_first = pos[order[starts[first]]][np.cumsum(first) - 1].astype(np.int64)  # the block's first position
         run_nu = self.n + 1 + run_first  # no next use, until the next run of the block says otherwise
         self.unique += int(np.count_nonzero(first))
         later = ~first[1:]
         run_nu[:-1][later] = r[starts[1:]][later]
-        nu = np.repeat(run_nu, np.diff(np.append(starts, h.size)))
-        g = (pos // np.uint64(group)).astype(np.intp)
-        ans = np.empty(h.size, _ANSWER)
-        ans["i"] = pos - g.astype(np.uint64) * np.uint64(group)
-        ans["nu"] = nu
-        order = np.argsort(g, kind="stable")
-        bounds = np.concatenate(([0], np.cumsum(np.bincount(g, minlength=len(answers)))))
-        ans = ans[order]
-        for i in np.flatnonzero(np.diff(bounds)):
-            self._append(i, ans[bounds[i] : bounds[i + 1]])
-            answers[i] = True
+        del h, r
+        nu = np.empty(pos.size, np.int64)
+        nu[order] = np.repeat(run_nu, np.diff(np.append(starts, order.size)))  # back in trace order
+        # so each group's answers are one slice
+        cuts = np.searchsorted(pos, np.arange(answers.size + 1, dtype=np.uint64) * np.uint64(group))
+        for g in np.flatnonzero(np.diff(cuts)):
+            part = slice(cuts[g], cuts[g + 1])
+            ans = np.empty(cuts[g + 1] - cuts[g], _ANSWER)
+            ans["i"], ans["nu"] = pos[part] - np.uint64(g * group), nu[part]
+            self._append(g, ans)
+            answers[g] = True
 
     def read(self, start: int, count: int) -> np.ndarray:
         """int64[count]: next uses of the references at global positions start .. start + count - 1 (above
