@@ -9,7 +9,8 @@ time, against the same server in the same run:
 - vllm bench serve (the vLLM CPU venv's `vllm.benchmarks.serve`, code unchanged), `--dataset-name random`
   with the same lengths, `--ignore-eos`;
 - bare aiohttp: a ~40-line aiohttp loop (uvloop when importable) that only POSTs and reads the stream to
-  its end, the ceiling of a Python client;
+  its end, the ceiling of a client built on aiohttp (kvbench sends plain-http requests with its own HTTP/1.1
+  client, kvbench/live/http1.py, and records every field besides);
 - AIPerf, GuideLLM: when their executables are given (`--aiperf`, `--guidellm`) or found on PATH.
 
 Scenarios (every client, `--repeats` times, interleaved; medians reported):
@@ -24,8 +25,12 @@ Scenarios (every client, `--repeats` times, interleaved; medians reported):
   lag is rebuilt the way vLLM paces (its own code unchanged). vLLM takes the send time just before the POST
   (payload built); kvbench before building the payload; the bare loop just before the POST.
 
+Like for like: every client is one process on one core (kvbench's distributed mode, several load workers,
+is not used), each with its own tool's event loop (uvloop for kvbench, vLLM and the bare loop).
+
 Besides rates, each run samples the client's CPU time (/proc) and the server's request counter (/metrics)
-every `--probe-period` s: CPU microseconds per request over the middle 80 % of the requests, start-up and
+every `--probe-period` s (and the fake server's CPU: near 100 % of its core, the server set the pace, not the
+client): CPU microseconds per request over the middle 80 % of the requests, start-up and
 tear-down left out. On a machine shared with other work, rates and lags move with the load; CPU per request
 much less, so it is the steadier measure of a client's own overhead (1e6 / CPU-us = the rate one free core
 would sustain).
@@ -124,7 +129,9 @@ class Probe:
 
     def __init__(self, url: str, period: float, server_pid: int | None = None):
         self.url, self.period, self.server_pid = url, period, server_pid
-        self.samples: list[tuple[float, float, int, float]] = []  # (perf_counter s, client CPU s, requests, server CPU s)
+        self.samples: list[
+            tuple[float, float, int, float]
+        ] = []  # (perf_counter s, client CPU s, requests, server CPU s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -829,6 +836,7 @@ COLUMNS = (  # key, header, format
     ("cpu_us_per_request", "CPU us/req", ",.0f"),
     ("cpu_bound_rps", "1 core req/s", ",.0f"),
     ("own_rps", "own req/s", ",.0f"),
+    ("server_cpu_utilisation", "server CPU", ".0%"),
 )
 
 
@@ -879,6 +887,8 @@ def report(cfg, clients, skipped, runs, scenarios, load) -> dict:
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
         "commit": _commit(),
+        "command": " ".join(["python", "benchmarks/client_overhead.py", *sys.argv[1:]]),
+        "like_for_like": "every client one process pinned to the client core; no multi-process client mode",
         "scenarios": {
             k: {"requests": n, "rate": "inf" if math.isinf(r) else r, "concurrency": c}
             for k, (n, r, c) in scenarios.items()
