@@ -86,8 +86,9 @@ class ReplayCommand(click.Command):
 @click.option(
     "--stream/--no-stream",
     default=None,
-    help="read the trace's block ids row group by row group, in bounded memory (sim: lru and vllm, no "
-    "Belady bound) [default: stream traces of more than 60 million block references]",
+    help="read the trace's block ids row group by row group, in bounded memory (sim: lru, vllm and the Belady "
+    "bound, whose next uses take up to 40 bytes a block reference of scratch disk under $TMPDIR; no --curve) "
+    "[default: stream traces of more than 60 million block references]",
 )
 @click.option(
     "--resume",
