@@ -21,6 +21,7 @@ ROUTERS: Registry[Callable] = Registry(None, "router")  # the routers below regi
 TIMELINE_POINTS = 1000  # samples of KV occupancy kept for the report
 AFFINITY_BLOCKS = 4  # prefix-affinity hashes a request's first blocks (a shared system prompt goes one place)
 VIRTUAL_NODES = 64  # per instance on the consistent-hash ring: an even split that moves little when N changes
+VLLM_CONTAINS = VllmPool.contains
 
 
 router = ROUTERS.register
@@ -62,10 +63,9 @@ def _cache_aware(instances, req, state):
         # binary search for the cached prefix (a prefix cache keeps prefixes: block i cached implies the
         # blocks before it, up to rare exceptions); a router's estimate, as real cache-aware routers keep
         cache = inst.cache
-        if type(cache).contains is VllmPool.contains and "contains" not in vars(cache):
-            contains = cache.copies.__contains__  # (what VllmPool.contains does, without its call)
-        else:
-            contains = cache.contains
+        contains = cache.contains
+        if getattr(contains, "__func__", None) is VLLM_CONTAINS:  # the pool's own (not a scenario's) test:
+            contains = cache.copies.__contains__  # what it does, without its call
         lo, hi = 0, top
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -149,12 +149,13 @@ class Cluster:
         # What exists now (the requests, their keys, the pools) lives until the loop ends: frozen, the cyclic
         # collector's full passes skip it instead of walking it again and again (a fifth of a long replay)
         gc.freeze()
+        arrivals, steps, pop, arrive, end_step = self.arrivals, self.steps, heapq.heappop, self._arrive, self._end_step
         try:
-            while self.arrivals or self.steps:
-                if self.arrivals and (not self.steps or self.arrivals[0][0] <= self.steps[0][0]):
-                    self._arrive(*heapq.heappop(self.arrivals))
+            while arrivals or steps:  # (the heaps are these lists for the whole run: pushes go to them)
+                if arrivals and (not steps or arrivals[0][0] <= steps[0][0]):
+                    arrive(*pop(arrivals))
                 else:
-                    self._end_step(*heapq.heappop(self.steps))
+                    end_step(*pop(steps))
         finally:
             gc.unfreeze()
         return self.timeline
