@@ -6,10 +6,11 @@ then `index_copy_` goes through an intermediate (every byte read and written twi
 CPU is an element loop well below memcpy speed), and a `copy_` per block spends microseconds of dispatch on a
 16 KiB block, as long as the bytes take. Engines do the same thing in C++ (vLLM's `swap_blocks` on a CPU is a
 loop of memcpy over (src, dst) block pairs); here the loop is a numba kernel over byte offsets planned with
-numpy, so a move costs one call whatever the number of blocks. A move of at least `PARALLEL_BYTES` is shared
-among as many threads as torch's own copies use (`torch.get_num_threads()`), split by bytes (large chunks cut
-into `SPLIT_BYTES` pieces), so that it is held to the same resources as the contiguous `copy_` it is
-compared with.
+walks the slot pairs itself (checking them, finding runs, moving each run's pieces), so a move costs one call
+whatever the number of blocks and no offset arrays are built in Python: planning them with numpy cost ~60 µs
+a move, several percent of a 16 MiB copy. A move of at least `PARALLEL_BYTES` is shared among as many threads
+as torch's own copies use (`torch.get_num_threads()`), in parts of equal block counts (a run crossing a part
+boundary is cut there), so that it is held to the same resources as the contiguous `copy_` it is compared with.
 
 A pool tensor is described by its layout (`geometry.block_dim`): block-major `[blocks, *block_shape]` (a block
 is one contiguous chunk) or layer-first `[layers, kv, blocks, ...]` (a block is `layers × kv` pieces, each
@@ -30,7 +31,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 PARALLEL_BYTES = 1 << 20  # smaller moves stay on one thread: waking the others costs more than it saves
-SPLIT_BYTES = 1 << 20  # a chunk longer than this is cut, so that one long run can be shared among threads
 
 
 @intrinsic
@@ -48,48 +48,70 @@ def _move(typingctx, dst, src, size):
 
 
 @numba.njit(nogil=True, cache=True)
-def _copy_chunks(dst, doff, src, soff, size):  # pragma: no cover  (compiled; Python never runs this body)
-    for i in range(size.shape[0]):
-        _move(dst + doff[i], src + soff[i], size[i])
+def _check(ss, ds, s_blocks, d_blocks):  # pragma: no cover  (compiled; Python never runs this body)
+    """The number of runs (pairs consecutive on both sides); -1 or -2 when a source or destination slot is out
+    of range."""
+    n_runs = 0
+    for i in range(ss.shape[0]):
+        if ss[i] < 0 or ss[i] >= s_blocks:
+            return -1
+        if ds[i] < 0 or ds[i] >= d_blocks:
+            return -2
+        if i == 0 or ss[i] != ss[i - 1] + 1 or ds[i] != ds[i - 1] + 1:
+            n_runs += 1
+    return n_runs
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy_range(dst, ds, src, ss, lo, hi, geom):  # pragma: no cover  (compiled)
+    """Pairs lo..hi-1. geom: pieces, piece bytes, source slot and piece strides, destination slot and piece
+    strides, whether a run's pieces are adjacent on both sides (then a run moves as one chunk per piece)."""
+    pieces, piece_bytes, s_slot, s_piece = geom[0], geom[1], geom[2], geom[3]
+    d_slot, d_piece, merge = geom[4], geom[5], geom[6]
+    i = lo
+    while i < hi:
+        j = i + 1
+        if merge:
+            while j < hi and ss[j] == ss[j - 1] + 1 and ds[j] == ds[j - 1] + 1:
+                j += 1
+        size = (j - i) * piece_bytes
+        s0, d0 = src + ss[i] * s_slot, dst + ds[i] * d_slot
+        for p in range(pieces):
+            _move(d0 + p * d_piece, s0 + p * s_piece, size)
+        i = j
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy_serial(dst, ds, src, ss, geom):  # pragma: no cover  (compiled)
+    _copy_range(dst, ds, src, ss, 0, ss.shape[0], geom)
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
-def _copy_chunks_parallel(dst, doff, src, soff, size, bounds):  # pragma: no cover  (compiled)
-    for part in numba.prange(bounds.shape[0] - 1):  # one part per thread, parts of about equal bytes
-        for i in range(bounds[part], bounds[part + 1]):
-            _move(dst + doff[i], src + soff[i], size[i])
+def _copy_parallel(dst, ds, src, ss, geom, parts):  # pragma: no cover  (compiled)
+    n = ss.shape[0]
+    for part in numba.prange(parts):  # one part per thread, of equal block counts
+        _copy_range(dst, ds, src, ss, n * part // parts, n * (part + 1) // parts, geom)
 
 
-_OFFSETS = numba.types.Array(numba.types.int64, 1, "C", readonly=False)
+_ARRAY = numba.types.Array(numba.types.int64, 1, "C", readonly=False)
 
 
 def ready() -> None:
     """Compile (or load from numba's cache) the kernels now, so that no timed move pays for it."""
     i64 = numba.types.int64
-    _copy_chunks.compile((i64, _OFFSETS, i64, _OFFSETS, _OFFSETS))
-    _copy_chunks_parallel.compile((i64, _OFFSETS, i64, _OFFSETS, _OFFSETS, _OFFSETS))
+    _check.compile((_ARRAY, _ARRAY, i64, i64))
+    _copy_serial.compile((i64, _ARRAY, i64, _ARRAY, _ARRAY))
+    _copy_parallel.compile((i64, _ARRAY, i64, _ARRAY, _ARRAY, i64))
 
 
 def _threads() -> int:
     return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-def _run(dst_addr: int, doff: np.ndarray, src_addr: int, soff: np.ndarray, size: np.ndarray) -> None:
-    """The chunks, on one thread or shared among `_threads()` by bytes."""
-    total, threads = int(size.sum()), _threads()
-    if threads == 1 or total < PARALLEL_BYTES:
-        _copy_chunks(dst_addr, doff, src_addr, soff, size)
-        return
-    pieces = -(-size // SPLIT_BYTES)
-    if (pieces > 1).any():  # cut the long chunks: piece j of a chunk starts j × SPLIT_BYTES into it
-        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-        within = (np.arange(first.size, dtype=np.int64) - first) * SPLIT_BYTES
-        soff, doff = np.repeat(soff, pieces) + within, np.repeat(doff, pieces) + within
-        size = np.minimum(np.repeat(size, pieces) - within, SPLIT_BYTES)
-    ends = np.cumsum(size)
-    bounds = np.searchsorted(ends, total * np.arange(1, threads, dtype=np.int64) // threads, side="right")
-    bounds = np.ascontiguousarray(np.concatenate(([0], bounds, [size.size])), dtype=np.int64)
-    _copy_chunks_parallel(dst_addr, doff, src_addr, soff, size, bounds)
+def _slots(slots) -> np.ndarray:
+    if isinstance(slots, range):  # the staging side: np.asarray would go through a list
+        return np.arange(slots.start, slots.stop, slots.step, dtype=np.int64)
+    return np.ascontiguousarray(slots, dtype=np.int64)
 
 
 def pieces_of(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -108,18 +130,12 @@ def pieces_of(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     return blocks, pieces, piece_bytes, blocks * piece_bytes
 
 
-def _run_starts(ss: np.ndarray, ds: np.ndarray) -> np.ndarray:
-    """Indices where a run of slots consecutive on both sides begins."""
-    breaks = (np.diff(ss) != 1) | (np.diff(ds) != 1)
-    return np.flatnonzero(np.concatenate(([True], breaks)))
-
-
 def copy_blocks(dst: torch.Tensor, dst_layout: str, ds, src: torch.Tensor, src_layout: str, ss) -> int:
     """Copy the blocks at slots `ss` of `src` to slots `ds` of `dst` (host pool tensors, see `pieces_of`), byte for
     byte, in one kernel call. Runs of slots consecutive in both lists are one chunk where both layouts keep a
     run's bytes together (both block-major: the whole run; both layer-first: each piece of the run), else every
     piece of every block is its own chunk. Returns the number of runs (slots consecutive on both sides)."""
-    ss, ds = np.asarray(ss, dtype=np.int64), np.asarray(ds, dtype=np.int64)
+    ss, ds = _slots(ss), _slots(ds)
     if ss.shape != ds.shape or ss.ndim != 1:
         raise ValueError(f"{ss.size} source slots for {ds.size} destination slots")
     if not ss.size:
@@ -129,21 +145,18 @@ def copy_blocks(dst: torch.Tensor, dst_layout: str, ds, src: torch.Tensor, src_l
     block_bytes = src.numel() * src.element_size() // max(s_blocks, 1)
     if pieces != d_pieces or block_bytes != dst.numel() * dst.element_size() // max(d_blocks, 1):
         raise ValueError("source and destination blocks differ in shape")
-    for name, slots, n in (("source", ss, s_blocks), ("destination", ds, d_blocks)):
-        if slots.min() < 0 or slots.max() >= n:
-            raise IndexError(f"{name} slot out of range 0..{n - 1}")
-    starts = _run_starts(ss, ds)
-    lengths = np.diff(np.append(starts, ss.size))
+    n_runs = _check(ss, ds, s_blocks, d_blocks)
+    if n_runs < 0:
+        side, n = ("source", s_blocks) if n_runs == -1 else ("destination", d_blocks)
+        raise IndexError(f"{side} slot out of range 0..{n - 1}")
     if src_layout == dst_layout == "block_major":  # a block, or a run, is one chunk: the piece is the block
-        pieces, s_piece, d_piece, piece_bytes = 1, 0, 0, block_bytes
+        geom = [1, block_bytes, block_bytes, 0, block_bytes, 0, 1]
     else:
-        piece_bytes = block_bytes // pieces
-    if src_layout == dst_layout:  # a run's bytes (of each piece) are adjacent on both sides
-        ss, ds, sizes = ss[starts], ds[starts], lengths * piece_bytes
+        geom = [pieces, block_bytes // pieces, s_slot, s_piece, d_slot, d_piece, int(src_layout == dst_layout)]
+    geom = np.array(geom, dtype=np.int64)
+    threads = min(_threads(), ss.size)
+    if threads > 1 and ss.size * block_bytes >= PARALLEL_BYTES:
+        _copy_parallel(dst.data_ptr(), ds, src.data_ptr(), ss, geom, threads)
     else:
-        sizes = np.full(ss.size, piece_bytes, dtype=np.int64)
-    p = np.arange(pieces, dtype=np.int64)[:, None]
-    soff = np.ascontiguousarray((ss[None, :] * s_slot + p * s_piece).ravel())
-    doff = np.ascontiguousarray((ds[None, :] * d_slot + p * d_piece).ravel())
-    _run(dst.data_ptr(), doff, src.data_ptr(), soff, np.ascontiguousarray(np.tile(sizes, pieces)))
-    return int(starts.size)
+        _copy_serial(dst.data_ptr(), ds, src.data_ptr(), ss, geom)
+    return int(n_runs)

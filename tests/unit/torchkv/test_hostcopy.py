@@ -101,11 +101,10 @@ def test_mover_round_trip_hbm_dram_hbm_is_byte_exact(mode, layout, slots):
 @pytest.mark.parametrize("layouts", [("block_major", "block_major"), ("layer_first", "layer_first"),
                                      ("layer_first", "block_major")])  # fmt: skip
 @pytest.mark.parametrize("slots", ["runs", "contiguous", "scattered"])
-def test_shared_among_threads_with_long_chunks_cut(monkeypatch, layouts, slots):
-    """The parallel kernel: any move is shared (PARALLEL_BYTES 0) among 3 parts, and chunks are cut every 1000
-    bytes (not a divisor of any piece), so that a part boundary and a cut fall inside blocks."""
+def test_shared_among_threads_with_runs_cut(monkeypatch, layouts, slots):
+    """The parallel kernel: any move is shared (PARALLEL_BYTES 0) among 3 parts, so that part boundaries cut
+    runs (8 and 12 pairs in 3 parts)."""
     monkeypatch.setattr(hostcopy, "PARALLEL_BYTES", 0)
-    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
     monkeypatch.setattr(hostcopy, "_threads", lambda: 3)
     ss, ds = SLOTS[slots]
     src, dst = _pool("src", layouts[0], 48, seed=6), _pool("dst", layouts[1], 48)
