@@ -5,7 +5,7 @@ Why not torch: it has no op that copies rows from a list of slots to another lis
 then `index_copy_` goes through an intermediate (every byte read and written twice, and `index_copy_` on a
 CPU is an element loop well below memcpy speed), and a `copy_` per block spends microseconds of dispatch on a
 16 KiB block, as long as the bytes take. Engines do the same thing in C++ (vLLM's `swap_blocks` on a CPU is a
-loop of memcpy over (src, dst) block pairs); here the loop is a numba kernel over byte offsets planned with
+loop of memcpy over (src, dst) block pairs); here the loop is a numba kernel. It
 walks the slot pairs itself (checking them, finding runs, moving each run's pieces), so a move costs one call
 whatever the number of blocks and no offset arrays are built in Python: planning them with numpy cost ~60 µs
 a move, several percent of a 16 MiB copy. A move of at least `PARALLEL_BYTES` is shared among as many threads
