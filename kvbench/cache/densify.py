@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -63,21 +64,14 @@ def _rehash(slots, size, uniq, n_keys):
     return slots
 
 
-@kernel_fn("Tuple((i4[::1], i4[::1], i4[::1]))(u8[::1], i8[::1], i4[::1])")
-def _densify(ids, offsets, slots):
-    """Open addressing, linear probing. The table grows with the number of unique keys (load <= 1/2, checked
-    before each request so that the inner loop never rehashes). It starts at m slots up to 2**19 (2 MiB,
-    cache-resident), so that traces of up to ~250k unique blocks never rehash. `slots` is a reusable buffer,
-    returned (maybe replaced by a larger one) for the next call."""
-    m = ids.size
-    size = 1024
-    while size < m and size < (1 << 19):
-        size *= 2
-    uniq = np.empty(m, dtype=np.uint64)  # only the first n_keys entries are ever touched
-    keys = np.empty(m, dtype=np.int32)
-    parent = np.empty(m, dtype=np.int32)  # per new key, trimmed below
-    slots = _rehash(slots, size, uniq, 0)
-    n_keys = 0
+@kernel_fn("Tuple((i4[::1], i4[::1], i8, i8))(u8[::1], i8[::1], i4[::1], i8, u8[::1], i4[::1], i8)")
+def _densify(ids, offsets, slots, size, uniq, parent, n_keys):
+    """Open addressing, linear probing, continuing a numbering of which `n_keys` ids are done (`Numbering`).
+    The table (`size` slots of the reusable buffer `slots`, a power of two) grows with the number of unique
+    keys (load <= 1/2, checked before each request so that the inner loop never rehashes). `uniq` (id of each
+    key) and `parent` must have room for every id of this call. Returns the keys of `ids`, the table (maybe
+    a larger buffer), its size and the new number of keys."""
+    keys = np.empty(ids.size, dtype=np.int32)
     for r in range(offsets.size - 1):
         lo, hi = offsets[r], offsets[r + 1]
         if 2 * (n_keys + hi - lo) > size:
@@ -103,7 +97,56 @@ def _densify(ids, offsets, slots):
                 h = (h + np.uint64(1)) & mask
             keys[j] = v
             prev = v
-    return keys, parent[:n_keys].copy(), slots
+    return keys, slots, size, n_keys
+
+
+class Numbering:
+    """64-bit block ids numbered 0..U-1 by first appearance, given a chunk at a time (a trace read by row
+    group): the ids need not be copied into one array first (8 bytes a reference). Memory: the table (8 bytes
+    a key at the most) and each key's id and parent (12), only as many as there are keys."""
+
+    def __init__(self, expected_keys: int = 0):
+        # The table starts at up to 2**19 slots (2 MiB, cache-resident): traces of up to ~250k unique blocks
+        # never rehash. `uniq` and `parent` are np.empty: pages past n_keys are never touched, so never resident.
+        self.size = 1024
+        while self.size < expected_keys and self.size < (1 << 19):
+            self.size *= 2
+        self.n_keys = 0
+        self._uniq = np.empty(0, np.uint64)
+        self._parent = np.empty(0, np.int32)
+        slots = _pool().pop("densify.slots", None)  # one Numbering at a time uses the kept buffer
+        if slots is None or slots.size < self.size:
+            slots = np.empty(self.size, np.int32)
+        slots[: self.size] = -1
+        self._slots = slots
+
+    def add(self, ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """int32 keys of `ids` (uint64), whose requests start at `offsets` (int64, from 0 to ids.size)."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        need = self.n_keys + ids.size
+        if self._uniq.size < need:  # room for every id of the chunk, grown geometrically
+            room = max(need, 2 * self._uniq.size)
+            self._uniq = _grown(self._uniq, room, self.n_keys)
+            self._parent = _grown(self._parent, room, self.n_keys)
+        keys, self._slots, self.size, self.n_keys = _densify(
+            ids, i8(offsets), self._slots, self.size, self._uniq, self._parent, self.n_keys
+        )
+        return keys
+
+    def parent(self) -> np.ndarray:
+        """int32[U]: each key's predecessor in the prompt it first appeared in, -1 for a first block."""
+        return self._parent[: self.n_keys].copy()
+
+    def close(self) -> None:
+        """Give the table back for the next numbering (a fresh one costs a page fault per 4 KiB)."""
+        keep("densify.slots", self._slots)
+        self._slots = self._uniq = self._parent = None
+
+
+def _grown(a: np.ndarray, room: int, used: int) -> np.ndarray:
+    out = np.empty(room, a.dtype)
+    out[:used] = a[:used]
+    return out
 
 
 @kernel_fn("Tuple((i4[::1], i4[::1], b1))(u8[::1], i8[::1], i8)")
@@ -161,9 +204,10 @@ def densify(ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarra
         if ok:
             return keys, parent
         return _densify_small(ids, offsets, scratch("densify.table", top + 1, np.int32))
-    slots = _pool().get("densify.slots")
-    keys, parent, slots = _densify(ids, offsets, slots if slots is not None else np.empty(0, np.int32))
-    keep("densify.slots", slots)
+    numbering = Numbering(ids.size)
+    keys = numbering.add(ids, offsets)
+    parent = numbering.parent()
+    numbering.close()
     return keys, parent
 
 
@@ -183,3 +227,18 @@ def _next_request_use(keys, offsets, n_keys):
 
 def next_request_use(keys: np.ndarray, offsets: np.ndarray, n_keys: int) -> np.ndarray:
     return _next_request_use(np.ascontiguousarray(keys, dtype=np.int32), i8(offsets), int(n_keys))
+
+
+def numbered_chunks(chunks) -> Iterator[np.ndarray]:
+    """The ids of each list array in `chunks` numbered by first appearance across them (int32), with the
+    compiled table: `trace.stats.infinite_cache_hits`' numbering at ~20 bytes a distinct id instead of Arrow's
+    ~80, and no more than one chunk's keys at a time."""
+    numbering = Numbering()
+    try:
+        for chunk in chunks:
+            offsets = np.asarray(chunk.offsets, dtype=np.int64)
+            start, stop = int(offsets[0]), int(offsets[-1])
+            ids = np.asarray(chunk.values.slice(start, stop - start)) if stop > start else np.empty(0, np.uint64)
+            yield numbering.add(ids, offsets - start)
+    finally:
+        numbering.close()

@@ -8,13 +8,14 @@ can keep their state in flat arrays.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbench.cache.densify import densify, next_request_use
+from kvbench.cache.densify import Numbering, densify, next_request_use
 from kvbench.trace.blockhash import mix, name_key
 from kvbench.trace.metrics import NO_LABEL
 from kvbench.trace.schema import DEFAULT_PRIORITY
@@ -75,7 +76,20 @@ def fold_isolation(table: pa.Table, use_salt: bool = True, share_lora: bool = Fa
     """Block ids with salt and LoRA adapter folded into every key (content ids are unchanged when a request
     has neither). Folding every block (not only the first, as vLLM does) gives the same equalities, since
     the ids are already prefix-chained."""
-    hashes = table.column("block_hashes").combine_chunks()
+    return _fold(table.column("block_hashes").combine_chunks(), table, use_salt, share_lora)
+
+
+def folded_chunks(table: pa.Table, use_salt: bool = True, share_lora: bool = False) -> Iterator[pa.ListArray]:
+    """`fold_isolation`, one chunk of block_hashes at a time: a trace read by row group is never copied whole
+    (8 bytes a block reference)."""
+    start = 0
+    for chunk in table.column("block_hashes").chunks:
+        yield _fold(chunk, table.slice(start, len(chunk)), use_salt, share_lora)
+        start += len(chunk)
+
+
+def _fold(hashes: pa.ListArray, table: pa.Table, use_salt: bool, share_lora: bool) -> pa.ListArray:
+    """`hashes` (the block_hashes of `table`) with the rows' salt and adapter folded in."""
     extras = []
     if use_salt and (salt := _column_or_none(table, "cache_salt")) is not None:
         extras.append(("salt", salt))
@@ -98,13 +112,33 @@ def fold_isolation(table: pa.Table, use_salt: bool = True, share_lora: bool = Fa
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(folded, pa.uint64()))
 
 
+def _flat(hashes: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, offsets from 0) of a list array: views, no copy."""
+    offsets = np.asarray(hashes.offsets, dtype=np.int64)
+    return np.asarray(hashes.flatten()), offsets - offsets[0]
+
+
 def prepare(
     table: pa.Table, block_size: int, *, use_salt: bool = True, share_lora: bool = False, vllm_cap: bool = False
 ) -> PreparedTrace:
-    hashes = fold_isolation(table, use_salt=use_salt, share_lora=share_lora)
-    offsets = (np.asarray(hashes.offsets, dtype=np.int64) - hashes.offsets[0].as_py()).astype(np.int64)
-    keys, parent = densify(np.asarray(hashes.flatten()), offsets)
-    prepared = prepare_requests(table, block_size, np.diff(offsets), vllm_cap=vllm_cap)
+    hashes = table.column("block_hashes")
+    if hashes.num_chunks <= 1:  # densify's faster paths for imported ids need them whole
+        whole = hashes.chunk(0) if hashes.num_chunks else hashes.combine_chunks()  # (combining copies)
+        ids, offsets = _flat(_fold(whole, table, use_salt, share_lora))
+        keys, parent = densify(ids, offsets)
+        n_blocks = np.diff(offsets)
+    else:  # numbered chunk by chunk into one array of keys
+        keys = np.empty(sum(c.offsets[-1].as_py() - c.offsets[0].as_py() for c in hashes.chunks), np.int32)
+        n_blocks = np.empty(table.num_rows, np.int64)
+        numbering, row, done = Numbering(), 0, 0
+        for chunk in folded_chunks(table, use_salt, share_lora):
+            ids, offsets = _flat(chunk)
+            keys[done : done + ids.size] = numbering.add(ids, offsets)
+            n_blocks[row : row + len(chunk)] = np.diff(offsets)
+            row, done = row + len(chunk), done + ids.size
+        parent = numbering.parent()
+        numbering.close()
+    prepared = prepare_requests(table, block_size, n_blocks, vllm_cap=vllm_cap)
     prepared.keys, prepared.parent = keys, parent
     return prepared
 

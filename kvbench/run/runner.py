@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench import __version__
+from kvbench.cache.densify import numbered_chunks
 from kvbench.errors import KvbenchError, KvbenchWarning
 from kvbench.redact import redact, redact_text
 from kvbench.run.backend import (
@@ -80,7 +81,7 @@ def _open_trace(trace_path: Path, stream: bool | None, warmup: float) -> _Trace:
         return _Trace(s.meta, facts, s.infinite_cache, scanned=s)
     table, meta = read_valid_trace(trace_path)
     n_blocks = pc.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
-    hits = infinite_cache_hits(table.column("block_hashes"))
+    hits = infinite_cache_hits(table.column("block_hashes"), number=numbered_chunks)
     input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
     facts = {
         "fingerprint": trace_fingerprint(table),

@@ -145,11 +145,13 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
 
     lengths = block_lengths(t.column("block_hashes"))
     report.add("block_hashes", "must not be null", lengths < 0)
-    hashes = t.column("block_hashes").combine_chunks()
-    ids = pc.list_flatten(hashes)
-    if ids.null_count:  # a null id would be read as some number and hit whatever block has it
-        parents = np.asarray(pc.list_parent_indices(hashes))
-        report.add("block_hashes", "block ids must not be null", np.unique(parents[_np(ids.is_null(), False)]))
+    first_row = 0
+    for hashes in t.column("block_hashes").chunks:  # chunk by chunk: a combined copy is 8 bytes a reference
+        ids = pc.list_flatten(hashes)
+        if ids.null_count:  # a null id would be read as some number and hit whatever block has it
+            parents = np.asarray(pc.list_parent_indices(hashes)) + first_row
+            report.add("block_hashes", "block ids must not be null", np.unique(parents[_np(ids.is_null(), False)]))
+        first_row += len(hashes)
     expected = -(-np.maximum(inp, 0) // block_size)
     report.add(
         "block_hashes",
