@@ -122,7 +122,7 @@ def read_trace(path: str | Path, columns: list[str] | None = None) -> tuple[pa.T
         pool = pa.default_memory_pool()
         groups = []
         for i in range(pf.num_row_groups):
-            groups.append(pf.read_row_group(i, columns=columns, use_threads=False))
+            groups.append(pf.read_row_group(i, columns=columns))
             pool.release_unused()
         table = pa.concat_tables(groups) if groups else pf.read(columns=columns)
     except (pa.ArrowInvalid, OSError) as exc:
