@@ -16,6 +16,7 @@ recycled ids do not keep that order, so `NextUseFile` gives each last reference 
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -137,7 +138,7 @@ def _belady_chunk(
 
 def spill_check(block_references: int, tmpdir=None) -> str | None:
     """Why the next uses of a trace this long cannot be spilled under `tmpdir` (default: $TMPDIR), or None."""
-    where = Path(tmpdir or _default_tmp())
+    where = Path(tmpdir or tempfile.gettempdir())
     need, free = spill_bytes(block_references), shutil.disk_usage(where).free
     if need > free:
         return (
@@ -146,12 +147,6 @@ def spill_check(block_references: int, tmpdir=None) -> str | None:
             "larger disk"
         )
     return None
-
-
-def _default_tmp() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
 
 
 def next_uses(
