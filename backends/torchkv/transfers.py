@@ -168,8 +168,10 @@ class Mover:
                 torch.cuda.current_stream(self.device).synchronize()
             self._hostcopy.copy_blocks(dst.data, dst.layout, ds, landing, "block_major", range(n))
         else:
-            landing = torch.empty_like(staged, device=dst.data.device)
-            landing.copy_(staged, non_blocking=nb)
+            landing = staged
+            if staged.device != dst.data.device:  # (hbm->hbm stages nothing across a link: scatter in place)
+                landing = torch.empty_like(staged, device=dst.data.device)
+                landing.copy_(staged, non_blocking=nb)
             dst.scatter(torch.tensor(ds, device=dst.data.device), landing)
         return 1
 
