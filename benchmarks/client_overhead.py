@@ -878,6 +878,7 @@ def report(cfg, clients, skipped, runs, scenarios, load) -> dict:
     for c, why in skipped.items():
         print(f"{c}: skipped, {why}")
     ratios = compare(cfg, table, scenarios)
+    ratios.update(round_ratios(runs, scenarios))
     fields = [r.get("fields") for s in runs.values() for r in s.get(KV, []) if r.get("fields")]
     if fields:
         ratios["kvbench_fields_complete"] = all(f["complete"] for f in fields)
@@ -935,6 +936,23 @@ def compare(cfg, table: dict, scenarios: dict) -> dict:
     if not any(VLLM in rows for rows in table.values()):
         print("vllm bench serve not measured: no ratios against it (kvbench and the bare loop only)")
     return ratios
+
+
+def round_ratios(runs: dict, scenarios: dict) -> dict:
+    """kvbench / vllm bench serve per interleaved round (the two ran back to back, under much the same load),
+    and the median over rounds: on a machine shared with other work, steadier than the ratio of medians."""
+    out: dict = {}
+    for scen, by in runs.items():
+        kv, vl = by.get(KV, []), by.get(VLLM, [])
+        if not math.isinf(scenarios[scen][1]):
+            continue
+        pairs = [(a.get("completed_rps"), b.get("completed_rps")) for a, b in zip(kv, vl)]
+        each = [a / b for a, b in pairs if a and b]
+        if each:
+            out[f"{scen}_rps_kvbench_over_vllm_by_round"] = each
+            out[f"{scen}_rps_kvbench_over_vllm_round_median"] = statistics.median(each)
+            print(f"{scen}: kvbench / vllm bench serve, round by round: {', '.join(f'{x:.2f}' for x in each)}")
+    return out
 
 
 def _met(ok: bool) -> str:
