@@ -15,6 +15,12 @@ for `trace info` and the replay. `--reuse` keeps an existing trace of the right 
 next uses spilled under DIR, then the bound replayed chunk by chunk) into bounded_memory_bound.json, with the
 scratch disk it may need; `--compare` also runs it in memory (`--no-stream`) and records whether the points
 (hit rates, evictions, per tenant) are the same.
+
+    python benchmarks/bounded_memory.py --curve [--requests 1000000] [--work DIR]
+
+`--curve` measures the one-pass lru curve (`kvbench replay --policy lru --curve --no-bound`) streamed
+(`kvbench.cache.curve_stream`) and in memory into bounded_memory_curve.json, and records whether the two
+summaries' curves are the same and what the streamed run skipped.
 """
 
 from __future__ import annotations
@@ -72,7 +78,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="results file (default: results/bounded_memory.json)")
     ap.add_argument("--bound", action="store_true", help="measure the streamed Belady bound only")
     ap.add_argument("--compare", action="store_true", help="with --bound: also the bound in memory, and compare")
+    ap.add_argument("--curve", action="store_true", help="the lru curve streamed and in memory, compared")
     args = ap.parse_args()
+    if args.curve:
+        curve(args)
+        return
     if args.bound:
         bound(args)
         return
@@ -147,6 +157,39 @@ def bound(args) -> None:
         results["same_points"] = points[0] == points[1]
     results["within_bound"] = results["bound_stream"]["peak_rss_mb"] < BOUND_MB
     out = args.out or RESULTS.with_name("bounded_memory_bound.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def curve(args) -> None:
+    """Peak RSS and times of `--curve` streamed and in memory, and whether their curves are the same."""
+    from kvbench.trace.scan import block_references
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = str(args.work)
+    big = args.work / f"chat-{args.requests}.parquet"
+    if not big.exists():
+        measured(["kvbench", "trace", "gen", "chat", "-n", str(args.requests), "--seed", "1", "-o", str(big)])
+    results: dict = {
+        "requests": args.requests,
+        "block_references": block_references(big),
+        "file_mb": round(big.stat().st_size / 2**20),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    }
+    replay = ["kvbench", "replay", str(big), "--policy", "lru", "--curve", "--no-bound", "--no-report"]
+    curves = {}
+    for name, mode in {"stream": "--stream", "in_memory": "--no-stream"}.items():
+        out = args.work / f"curve-{name}"
+        results[f"curve_{name}"] = measured([*replay, mode, "--out", str(out), "--overwrite"])
+        results[f"curve_{name}"].pop("stdout", None)
+        summary = json.loads((out / "summary.json").read_text())
+        curves[name] = summary["curves"]
+        results[f"curve_{name}"]["capacities"] = len(summary["curves"][0]["capacity_blocks"])
+        results[f"curve_{name}"]["skipped"] = summary.get("skipped", [])
+        print(name, results[f"curve_{name}"], flush=True)
+    results["largest_capacity_blocks"] = curves["in_memory"][0]["capacity_blocks"][-1]
+    results["same_points"] = curves["stream"] == curves["in_memory"]
+    out = args.out or RESULTS.with_name("bounded_memory_curve.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 

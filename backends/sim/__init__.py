@@ -186,14 +186,7 @@ class SimBackend:
                 for cap in caps:
                     yield _StreamedPoint(self, pol, cap, scanned)
         if self.curve:
-            # lru_curve holds the dense keys, depths and a Fenwick tree over every block reference (int32 each)
-            need = 12 * scanned.block_references / 2**30
-            yield Skipped(
-                "lru curve",
-                f"the one-pass curve holds about 12 bytes per block reference in memory ({need:.1f} GiB for this "
-                f"trace's {scanned.block_references:,}), which a streamed replay does not; replay with --no-stream "
-                "for it",
-            )
+            yield from self._streamed_curve(scanned, progress)
         if (caps and (BOUND in self.policies or self.bound)) or (self.curve and self.bound):
             yield from self._streamed_bound(scanned, caps, progress)
 
@@ -220,6 +213,41 @@ class SimBackend:
                 for blocks in _curve_bound_blocks(nu.unique):
                     yield _StreamedBound(self, nu, Capacity(str(blocks), int(blocks)), scanned)
 
+    def _streamed_curve(self, scanned, progress) -> Iterator[PointResult | Skipped]:
+        """The lru curve of a streamed replay, read chunk by chunk with the LRU stack kept only as deep as the
+        largest sampled capacity that fits `memory_budget` (`kvbench.cache.curve_stream`); the capacities
+        beyond it are left out and said to be. A point with no columns: the runner writes no rows for it."""
+        from kvbench.cache.curve_stream import BYTES_PER_DEPTH, StreamCurve, distinct_keys, memory_budget
+        from kvbench.trace.stats import DEFAULT_WARMUP
+
+        grid = _curve_grid(distinct_keys(scanned, self.salt, self.share_lora_kv))
+        budget = memory_budget()
+        run = StreamCurve(
+            grid,
+            min(int(grid[-1]), budget // BYTES_PER_DEPTH),
+            n_requests=scanned.n_requests,
+            warmup=DEFAULT_WARMUP,  # as lru_curve's
+            block_size=scanned.meta.block_size,
+            use_salt=self.salt,
+            share_lora=self.share_lora_kv,
+        )
+        done = 0
+        for chunk in scanned.chunks(columns=("input_tokens", "cache_salt", "lora")):
+            run.feed(chunk)
+            done += len(chunk.column("block_hashes").values)
+            if progress is not None:
+                progress(Progress(done, scanned.block_references, "lru curve"))
+        yield PointResult(labels={"policy": "lru"}, extra={"curve": run.summary()})
+        if run.grid.size < grid.size:
+            need = BYTES_PER_DEPTH * int(grid[-1]) / 2**30
+            yield Skipped(
+                f"lru curve above {run.depth:,} blocks",
+                f"a streamed curve keeps the LRU stack as deep as its largest capacity, up to {BYTES_PER_DEPTH} bytes "
+                f"a block: {need:.1f} GiB for the trace's {int(grid[-1]):,} blocks, over the {budget / 2**30:.1f} GiB "
+                f"it may take (half the available memory), so {grid.size - run.grid.size} of its {grid.size} "
+                "capacities are left out; replay with --no-stream for them",
+            )
+
     def _point(self, pol, prep, blocks: int, text: str) -> PointResult:
         run = pol.reference if self.reference else pol.kernel
         out = run(prep, blocks, self.policy_options)
@@ -237,12 +265,17 @@ class SimBackend:
                 continue
             prep = prepared_for(pol.name)
             curve = lru_curve(prep)
-            grid = np.unique(np.geomspace(1, max(prep.n_keys, 2), CURVE_POINTS).astype(np.int64))
+            grid = _curve_grid(prep.n_keys)
             yield PointResult(labels={"policy": pol.name}, extra={"curve": curve.summary(grid)})
         if self.bound:
             prep = prepared_for(BOUND)
             for blocks in _curve_bound_blocks(prep.n_keys):
                 yield self._point(_policies.get(BOUND), prep, int(blocks), str(blocks))
+
+
+def _curve_grid(n_keys: int) -> np.ndarray:
+    """The capacities at which --curve samples the lru curve: CURVE_POINTS, up to the trace's distinct blocks."""
+    return np.unique(np.geomspace(1, max(n_keys, 2), CURVE_POINTS).astype(np.int64))
 
 
 def _curve_bound_blocks(n_keys: int) -> np.ndarray:

@@ -15,7 +15,9 @@ path per protocol (it never probes for methods):
   memory (`kvbench replay --stream`): `replay_stream` yields one `StreamedPoint` per configuration point,
   which the runner feeds the trace chunk by chunk. The runner reads the chunks and owns what is made of the
   answers (requests.parquet, the summary's metrics), so nothing per request outlives its chunk, whatever the
-  length of the trace. Either protocol yields a `Skipped` for a part it was asked for and left out.
+  length of the trace. It may also yield a `PointResult` without a hit_blocks column (facts only, e.g. a curve
+  it computed by its own pass over the chunks), for which the runner writes no rows. Either protocol yields a
+  `Skipped` for a part it was asked for and left out.
 - `OnlineBackend` (kind "online") answers requests one at a time over the network: the core's dispatcher
   (`kvbench.live.pacing`) sends each request with `send` at its scheduled time, inside `connect`.
 
@@ -132,9 +134,11 @@ class OfflineBackend(Backend, Protocol):
 class StreamingBackend(OfflineBackend, Protocol):
     kind: ClassVar[Literal["streaming"]]
 
-    def replay_stream(self, scanned: ScannedTrace, progress: ProgressCallback | None = None) -> Iterator[StreamedPoint]:
-        """The points of `replay`, each answering the trace chunk by chunk (`StreamedPoint`), and a `Skipped`
-        for any part of them that cannot be streamed."""
+    def replay_stream(
+        self, scanned: ScannedTrace, progress: ProgressCallback | None = None
+    ) -> Iterator[StreamedPoint | PointResult]:
+        """The points of `replay`, each answering the trace chunk by chunk (`StreamedPoint`) or, with no rows,
+        as a `PointResult` without hit_blocks, and a `Skipped` for any part of them that cannot be streamed."""
         ...
 
 

@@ -332,7 +332,8 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
             if isinstance(point, Skipped):
                 _skipped(summary, point)
                 continue
-            if scanned is not None or "hit_blocks" in point.columns:
+            # a PointResult without hit_blocks (a curve) has no rows, streamed or not; a StreamedPoint always has
+            if not isinstance(point, PointResult) or "hit_blocks" in point.columns:
                 point, totals = _write_and_sum(point, trace, writer, warmup)
                 record = {"name": point.name, **point.labels, **totals, **point.extra}
                 # time modeled (engine-sim) has a saturation verdict; a cache simulation has none. A streamed

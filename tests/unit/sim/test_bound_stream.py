@@ -154,16 +154,13 @@ def test_too_little_scratch_disk_skips_the_bound_and_says_why(tmp_path, monkeypa
     assert skipped["what"] == "belady bound" and "TMPDIR" in skipped["why"] and "--no-bound" in skipped["why"]
 
 
-def test_a_streamed_curve_is_skipped_but_its_bound_points_are_not(tmp_path):
-    """--curve under --stream: the curve (it needs the whole trace) is skipped and said to be; the Belady points
-    --curve adds are computed out of core, at the in-memory run's capacities (the distinct blocks, isolation
-    folded in, counted by the next-use pass)."""
-    from kvbench.errors import KvbenchWarning
+def test_a_streamed_curve_and_its_bound_points_are_the_in_memory_ones(tmp_path):
+    """--curve under --stream: the curve (kvbench.cache.curve_stream) and the Belady points --curve adds,
+    computed out of core, at the in-memory run's capacities (the distinct blocks, isolation folded in)."""
     from kvbench.run.runner import run_replay
 
     trace = REPO / "traces" / "samples" / "multi-tenant.parquet"
-    with pytest.warns(KvbenchWarning, match="lru curve skipped: the one-pass curve holds about 12 bytes"):
-        _, streamed = run_replay(trace, "sim", {"curve": True}, out=tmp_path / "s", stream=True, report=False)
+    _, streamed = run_replay(trace, "sim", {"curve": True}, out=tmp_path / "s", stream=True, report=False)
     _, whole = run_replay(trace, "sim", {"curve": True}, out=tmp_path / "w", stream=False, report=False)
-    assert [s["what"] for s in streamed["skipped"]] == ["lru curve"] and not streamed["curves"]
+    assert "skipped" not in streamed and streamed["curves"] == whole["curves"]
     assert len(streamed["points"]) == 8 and streamed["points"] == whole["points"]
