@@ -125,6 +125,8 @@ class OpenAIClient:
             try:
                 async with asyncio.timeout_at(deadline):
                     conn = await pool.open()
+            except TimeoutError:
+                raise  # an OSError too, but no connection in time is the request's timeout
             except OSError:
                 # nothing was sent: aiohttp tries, and a failure reads as it always did (refused, DNS, …)
                 return await self._send_aiohttp(payload, o)
