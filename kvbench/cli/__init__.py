@@ -93,6 +93,28 @@ def main() -> None:
     """
     _stop_like_ctrl_c(click.get_current_context())
     warnings.showwarning = _one_line_warnings(warnings.showwarning)
+    _keep_freed_memory()
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _keep_freed_memory() -> None:
+    """Let glibc reuse the memory of freed arrays instead of handing it back to the kernel at once. By default
+    an array of a few MB is mapped fresh and unmapped when freed, so the next one of its size takes a page
+    fault per 4 KiB again: a simulator allocating per-point work arrays spent more time faulting than
+    computing (prepare on the Mooncake trace: 3.2 ms, 1.5 ms with this). Arrays of 4 MiB or more are still
+    mapped and unmapped, and at most 16 MiB freed is kept, so a run's peak memory hardly moves (+10 MB of
+    ~510 on a 300k-request chat trace). No-op off glibc."""
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, 4 << 20)
+    mallopt(_M_TRIM_THRESHOLD, 16 << 20)
 
 
 def _one_line_warnings(show):
