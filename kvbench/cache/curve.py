@@ -32,7 +32,7 @@ NEVER = np.iinfo(np.int32).max  # depth of a block no capacity holds at the look
 
 
 @kernel_fn()
-def _fenwick_range(bit, a, b):
+def fenwick_range(bit, a, b):
     """Sum of positions a..b (1-based, a <= b + 1) of the Fenwick tree: the two prefix walks meet early when
     the range is short, as reuse ranges mostly are."""
     s = 0
@@ -45,6 +45,26 @@ def _fenwick_range(bit, a, b):
             s -= bit[j]
             j -= j & -j
     return s
+
+
+@kernel_fn()
+def fenwick_unmark(bit, t, now):
+    """Remove the 1 at time `t` (<= now); nodes above `now` are not read before `fenwick_mark` builds them."""
+    while t <= now:
+        bit[t] -= 1
+        t += t & -t
+
+
+@kernel_fn()
+def fenwick_mark(bit, now):
+    """Append a 1 at time `now`: its node covers (now - lowbit(now), now], the mark and its child nodes."""
+    s = 1
+    low = now - (now & -now)
+    c = now - 1
+    while c > low:
+        s += bit[c]
+        c -= c & -c
+    bit[now] = s
 
 
 @kernel_fn("i4[::1](i4[::1], i8[::1], i4[::1], i8, i4[::1], i4[::1])")
@@ -70,7 +90,7 @@ def _depths(keys, offsets, max_hit, n_keys, bit, last):
             t = last[keys[j]]
             if t == 0:
                 break
-            d = _fenwick_range(bit, t, now)
+            d = fenwick_range(bit, t, now)
             if d > pm:
                 pm = d
             depth[j] = pm
@@ -82,20 +102,11 @@ def _depths(keys, offsets, max_hit, n_keys, bit, last):
             k = keys[i]
             t = last[k]
             if t > 0:
-                while t <= now:  # remove the old mark; nodes above `now` are built when appended
-                    bit[t] -= 1
-                    t += t & -t
+                fenwick_unmark(bit, t, now)
             else:
                 distinct += 1
             now += 1
-            # append position `now`: its node covers (now - lowbit(now), now], i.e. the mark plus its children
-            s = 1
-            low = now - (now & -now)
-            c = now - 1
-            while c > low:
-                s += bit[c]
-                c -= c & -c
-            bit[now] = s
+            fenwick_mark(bit, now)
             last[k] = now
     return depth
 

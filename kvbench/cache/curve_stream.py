@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.cache.compiled import i8, kernel_fn
-from kvbench.cache.curve import _fenwick_range
+from kvbench.cache.curve import fenwick_mark, fenwick_range, fenwick_unmark
 from kvbench.cache.densify import mix64
 from kvbench.cache.prepared import fold_isolation
 from kvbench.trace.outofcore import InfiniteCacheStream
@@ -65,26 +65,6 @@ def _delete(i, slot_key, slot_time, slot_at, mask):
             slot_at[slot_time[i]] = np.int32(i)
             i = j
     slot_time[i] = 0
-
-
-@kernel_fn()
-def _unmark(bit, t, now):
-    # nodes above `now` are not read before `_mark` builds them
-    while t <= now:
-        bit[t] -= 1
-        t += t & -t
-
-
-@kernel_fn()
-def _mark(bit, now):
-    """Append a 1 at time `now`: its node covers (now - lowbit(now), now], the mark and its child nodes."""
-    s = 1
-    low = now - (now & -now)
-    c = now - 1
-    while c > low:
-        s += bit[c]
-        c -= c & -c
-    bit[now] = s
 
 
 @kernel_fn()
@@ -124,7 +104,7 @@ def _feed(keys, offsets, input_tokens, first_row, steady_from, block_size, depth
             s = _slot(keys[j], slot_key, slot_time, mask)
             if slot_time[s] == 0:
                 break  # deeper than `depth`, or never referenced: misses at every sampled capacity
-            pm = max(pm, _fenwick_range(bit, slot_time[s], now))
+            pm = max(pm, fenwick_range(bit, slot_time[s], now))
             b = np.searchsorted(grid, pm)
             w = min(block_size, left)  # tokens of this block (the last one may be partial)
             left -= w
@@ -138,7 +118,7 @@ def _feed(keys, offsets, input_tokens, first_row, steady_from, block_size, depth
             s = _slot(x, slot_key, slot_time, mask)
             t = slot_time[s]
             if t > 0:
-                _unmark(bit, t, st[_NOW])
+                fenwick_unmark(bit, t, st[_NOW])
                 slot_at[t] = -1
             else:
                 slot_key[s] = x
@@ -147,14 +127,14 @@ def _feed(keys, offsets, input_tokens, first_row, steady_from, block_size, depth
                 _compact(slot_time, bit, slot_at, st)
             now = st[_NOW] + 1
             st[_NOW] = now
-            _mark(bit, now)
+            fenwick_mark(bit, now)
             slot_at[now] = np.int32(s)
             slot_time[s] = now
             if st[_LIVE] > depth:  # drop the least recently referenced key
                 o = st[_OLDEST]
                 while slot_at[o] < 0:
                     o += 1
-                _unmark(bit, o, now)
+                fenwick_unmark(bit, o, now)
                 _delete(np.uint64(slot_at[o]), slot_key, slot_time, slot_at, mask)
                 slot_at[o] = -1
                 st[_OLDEST] = o + 1
