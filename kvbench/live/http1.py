@@ -8,14 +8,16 @@ and one write on a kept-alive connection, and its answer is parsed by the connec
 when the answer is complete. aiohttp still does everything else (model discovery, /metrics, https, any
 connection that cannot be opened here: `OpenAIClient` falls back to it, so its errors read as before).
 
-Framing handled: Content-Length, chunked (trailers skipped) and read-to-close bodies; 1xx answers skipped;
-keep-alive unless the server says close or speaks HTTP/1.0."""
+Framing (Content-Length, chunked with trailers, read-to-close bodies, 1xx answers first, keep-alive or not) is
+parsed by httptools, the llhttp parser uvicorn uses."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
+
+import httptools
 
 from kvbench.live.sse import EventStream
 
@@ -37,7 +39,8 @@ class BadAnswer(Exception):
 class Connection(asyncio.Protocol):
     """One kept-alive connection; it carries one exchange at a time. `post` writes a request and returns a
     future: (status, content type, body) once the answer is complete, body None for a 200 (streamed into the
-    EventStream) and the whole body otherwise; or the fault."""
+    EventStream) and the whole body otherwise; or the fault. The answer's framing (head, Content-Length,
+    chunked, 1xx answers first) is parsed by httptools (llhttp)."""
 
     def __init__(self, pool: Pool):
         self.pool = pool
@@ -57,7 +60,9 @@ class Connection(asyncio.Protocol):
 
     def post(self, request: bytes, sse: EventStream) -> asyncio.Future:
         self.fut = fut = self.pool.loop.create_future()
-        self.sse, self.buf, self.head_done, self.status = sse, b"", False, 0
+        self.sse, self.parser = sse, httptools.HttpResponseParser(self)
+        self.head_done = self.complete = self.framed = False
+        self.status, self.ctype = 0, b""
         self.body: bytearray | None = None
         self.transport.write(request)
         return fut
@@ -75,131 +80,64 @@ class Connection(asyncio.Protocol):
         self.closed = True
         self.transport.abort()
 
-    # ---------------------------------------------------------------------------------------- parsing
+    # ------------------------------------------------------------------------------- the parser's callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes past the answer's end: the connection is not reused
+            raise _PastTheAnswer
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-type":
+            self.ctype = value
+        elif name in (b"content-length", b"transfer-encoding"):
+            self.framed = True  # else the body runs to the connection's close
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # 1xx (100 Continue, 103 Early Hints) come before the real answer
+            self.ctype, self.framed = b"", False
+            return
+        self.head_done, self.status = True, status
+        self.content_type = self.ctype.split(b";")[0].strip().lower().decode("latin-1") or "application/octet-stream"
+        self.charset = _charset(self.ctype)
+        if status == 200:
+            self.sse.start(self.content_type)
+        else:
+            self.body = bytearray()
+
+    def on_body(self, data: bytes) -> None:
+        if self.body is not None:
+            self.body += data
+        elif self.sse.feed(data) and self.fut is not None and not self.fut.done():
+            self.fut.set_result((200, self.content_type, None))  # [DONE]: what follows it is not waited for
+
+    def on_message_complete(self) -> None:
+        if self.head_done:  # (llhttp forgets keep-alive once feed_data returns)
+            self.complete, self.keep_alive = True, self.parser.should_keep_alive()
+
+    # --------------------------------------------------------------------------------------------- bytes in
 
     def data_received(self, data: bytes) -> None:
         if self.fut is None:  # bytes after the answer (a [DONE]-ended stream that went on): not reusable
             self.closed = True
             self.transport.close()
             return
+        reusable = True
         try:
-            if not self.head_done:
-                data = self._head(self.buf + data)
-                if data is None:
-                    return
-            if self.chunked:
-                data, ended = self._unchunk(self.buf + data if self.buf else data)
-            elif self.left is not None:
-                if len(data) > self.left:  # more than the answer's length: the connection is not reused
-                    self.reusable, data = False, data[: self.left]
-                self.left -= len(data)
-                ended = self.left == 0
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__  # what one of the callbacks above raised (a StreamError, _PastTheAnswer)
+            if isinstance(cause, _PastTheAnswer):
+                reusable = False
             else:
-                ended = False  # read to close
-            if data:
-                self._deliver(data)
-            if ended:
-                self._finish(True)
-        except Exception as exc:  # noqa: BLE001 - a StreamError from the EventStream, or bad framing
-            self._fail(exc)
+                self._fail(cause if cause is not None else (BodyCut if self.head_done else BadAnswer)(str(exc)))
+                return
+        if self.complete:
+            self._finish(reusable and self.keep_alive)
 
-    def _head(self, buf: bytes) -> bytes | None:
-        """Parse the answer's head once it is all there; the bytes after it, or None while it is not."""
-        while True:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                self.buf = buf
-                return None
-            lines = buf[:end].split(b"\r\n")
-            version, _, rest = lines[0].partition(b" ")
-            if not version.startswith(b"HTTP/1.") or not rest[:3].isdigit():
-                raise BadAnswer(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
-            status, buf = int(rest[:3]), buf[end + 4 :]
-            if not 100 <= status < 200:
-                break  # 1xx (100 Continue, 103 Early Hints) come before the real answer
-        ctype, length, chunked, close = b"", None, False, version == b"HTTP/1.0"
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-type":
-                ctype = value
-            elif name == b"content-length":
-                if not value.strip().isdigit():
-                    raise BadAnswer(f"Content-Length {value[:40]!r}")
-                length = int(value)
-            elif name == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif name == b"connection":
-                close = b"close" in value.lower() or (close and b"keep-alive" not in value.lower())
-        if status in (204, 304):
-            length = 0
-        self.head_done, self.status, self.buf = True, status, b""
-        self.content_type = ctype.split(b";")[0].strip().lower().decode("latin-1") or "application/octet-stream"
-        self.charset = _charset(ctype)
-        self.chunked, self.left = chunked, None if chunked else length
-        self.reusable = not close and (chunked or length is not None)
-        self.size, self.trailers = 0, False  # chunked: what the current chunk still owes; past the last chunk
-        if status == 200:
-            self.sse.start(self.content_type)
-        else:
-            self.body = bytearray()
-        if not chunked and length == 0:
-            self._finish(True)
-            return None
-        return buf
-
-    def _unchunk(self, buf: bytes) -> tuple[bytes, bool]:
-        """The data of the chunks in `buf`, and whether the last chunk came. A chunk whose data and CRLF are
-        all there (the usual case: one event, one chunk, one read) is taken in one step; `self.size` is what
-        a chunk cut by the end of `buf` still owes (its data, then its CRLF), `self.buf` a partial size line."""
-        out, pos, n = [], 0, len(buf)
-        owed = self.size
-        if owed > 0:
-            pos = min(owed, n)
-            if owed > 2:
-                out.append(buf[: min(owed - 2, n)])
-            self.size = owed - pos
-            if self.size:
-                self.buf = b""
-                return b"".join(out), False
-        while True:
-            end = buf.find(b"\r\n", pos)
-            if end < 0:
-                break
-            line, pos = buf[pos:end], end + 2
-            if self.trailers:  # trailer fields, up to an empty line
-                if not line:
-                    self.buf = buf[pos:]
-                    return b"".join(out), True
-                continue
-            try:
-                size = int(line, 16)
-            except ValueError:
-                size = _chunk_size(line)
-            if not size:
-                self.trailers = True
-                continue
-            stop = pos + size
-            if stop + 2 <= n:
-                if buf[stop : stop + 2] != b"\r\n":
-                    raise BodyCut("a chunk not followed by CRLF")
-                out.append(buf[pos:stop])
-                pos = stop + 2
-            else:
-                out.append(buf[pos:stop])
-                self.size, pos = stop + 2 - n, n
-                break
-        self.buf = buf[pos:]
-        return b"".join(out), False
-
-    def _deliver(self, data: bytes) -> None:
-        if self.body is not None:
-            self.body += data
-        elif self.sse.feed(data) and self.fut is not None and not self.fut.done():
-            self.fut.set_result((200, self.content_type, None))  # [DONE]: what follows it is not waited for
-
-    def _finish(self, clean: bool) -> None:
-        """The body ended (clean: as framed, else by the connection closing on a read-to-close body)."""
+    def _finish(self, reusable: bool) -> None:
+        """The answer ended (as framed, or by the connection closing on a read-to-close body)."""
         fut, self.fut = self.fut, None
         if self.body is None and not self.sse.done:
             try:
@@ -211,7 +149,7 @@ class Connection(asyncio.Protocol):
         if not fut.done():
             body = None if self.body is None else bytes(self.body).decode(self.charset, "replace")
             fut.set_result((self.status, self.content_type, body))
-        if clean and self.reusable and not self.buf and not self.closed:
+        if reusable and not self.closed:
             self.pool.release(self)
         else:
             self.closed = True
@@ -234,18 +172,14 @@ class Connection(asyncio.Protocol):
             return
         if not self.head_done:
             self._fail(ConnectionDropped() if exc is None else exc)
-        elif not self.chunked and self.left is None:
+        elif not self.framed:
             self._finish(False)  # a read-to-close body ends here
         else:
             self._fail(BodyCut("the connection closed inside the body"))
 
 
-def _chunk_size(line: bytes) -> int:
-    """A chunk-size line with extensions ('1a;name=value'), or one that is no size."""
-    try:
-        return int(line.split(b";", 1)[0], 16)
-    except ValueError:
-        raise BodyCut(f"bad chunk size {line[:40]!r}") from None
+class _PastTheAnswer(Exception):
+    """Raised from the parser's callback to stop at the end of the answer."""
 
 
 def _charset(ctype: bytes) -> str:
