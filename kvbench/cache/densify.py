@@ -234,7 +234,7 @@ def numbered_chunks(chunks) -> Iterator[np.ndarray]:
     compiled table: `trace.stats.infinite_cache_hits`' numbering at ~20 bytes a distinct id instead of Arrow's
     ~80, and no more than one chunk's keys at a time. One chunk takes `densify`'s faster paths for ids that
     are already small (imported traces)."""
-    flats = [_flat_ids(chunk) for chunk in chunks]
+    flats = [flat_ids(chunk) for chunk in chunks]
     if len(flats) == 1:
         yield densify(*flats[0])[0]
         return
@@ -246,7 +246,7 @@ def numbered_chunks(chunks) -> Iterator[np.ndarray]:
         numbering.close()
 
 
-def _flat_ids(chunk) -> tuple[np.ndarray, np.ndarray]:
+def flat_ids(chunk) -> tuple[np.ndarray, np.ndarray]:
     """(ids, offsets from 0) of a list array without nulls: views of its buffers."""
     offsets = np.asarray(chunk.offsets, dtype=np.int64)
     start, stop = int(offsets[0]), int(offsets[-1])

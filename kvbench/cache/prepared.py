@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbench.cache.densify import Numbering, densify, next_request_use
+from kvbench.cache.densify import Numbering, densify, flat_ids, next_request_use
 from kvbench.trace.blockhash import mix, name_key
 from kvbench.trace.metrics import NO_LABEL
 from kvbench.trace.schema import DEFAULT_PRIORITY
@@ -112,19 +112,13 @@ def _fold(hashes: pa.ListArray, table: pa.Table, use_salt: bool, share_lora: boo
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(folded, pa.uint64()))
 
 
-def _flat(hashes: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, offsets from 0) of a list array: views, no copy."""
-    offsets = np.asarray(hashes.offsets, dtype=np.int64)
-    return np.asarray(hashes.flatten()), offsets - offsets[0]
-
-
 def prepare(
     table: pa.Table, block_size: int, *, use_salt: bool = True, share_lora: bool = False, vllm_cap: bool = False
 ) -> PreparedTrace:
     hashes = table.column("block_hashes")
     if hashes.num_chunks <= 1:  # densify's faster paths for imported ids need them whole
         whole = hashes.chunk(0) if hashes.num_chunks else hashes.combine_chunks()  # (combining copies)
-        ids, offsets = _flat(_fold(whole, table, use_salt, share_lora))
+        ids, offsets = flat_ids(_fold(whole, table, use_salt, share_lora))
         keys, parent = densify(ids, offsets)
         n_blocks = np.diff(offsets)
     else:  # numbered chunk by chunk into one array of keys
@@ -132,7 +126,7 @@ def prepare(
         n_blocks = np.empty(table.num_rows, np.int64)
         numbering, row, done = Numbering(), 0, 0
         for chunk in folded_chunks(table, use_salt, share_lora):
-            ids, offsets = _flat(chunk)
+            ids, offsets = flat_ids(chunk)
             keys[done : done + ids.size] = numbering.add(ids, offsets)
             n_blocks[row : row + len(chunk)] = np.diff(offsets)
             row, done = row + len(chunk), done + ids.size
