@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import click
 import numpy as np
 import pyarrow as pa
+from kvbench.backends.enginesim import compiled_run
 from kvbench.backends.enginesim import scenarios as _scenarios
 from kvbench.backends.enginesim.cluster import ROUTERS, simulate
 from kvbench.backends.enginesim.engine import Instance, Req, Scheduler
@@ -266,6 +267,33 @@ class EngineSimBackend:
         if pool_size:
             pool_bw = s["pool_bandwidth_gbps"] * 1e9
             pool = GlobalStore("global", pool_size, pool_bw, policy=s["pool_policy"], put_on=s["pool_put"])
+        if compiled_run.applies(s, pol, scenarios, self.latency, s["router"], self._tiers(bs, pool)):
+            reqs, instances, timeline, *evictions = compiled_run.run(
+                prep, trace, s["instances"], pool_blocks, self.sched, self.latency, s["router"], self.hw.host_to_device_bw
+            )
+        else:
+            reqs, instances, timeline = self._python_loop(trace, prep, pol, scenarios, bs, pool_blocks, pool)
+            evictions = None
+        summarise = functools.partial(modeled_latency_summary, slo=self.slo)
+        result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, summarise, evictions)
+        result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
+        return result
+
+
+    def _tiers(self, bs: int, pool) -> TierStack:
+        """One instance's tiers below HBM (the global store, `pool`, shared by all)."""
+        s = self.settings
+        return TierStack(
+            Tier("dram", self._blocks(s["dram_capacity"], bs, "--dram-capacity"), self.hw.host_to_device_bw),
+            Tier("ssd", self._blocks(s["ssd_capacity"], bs, "--ssd-capacity"), self.hw.ssd_to_device_bw),
+            pool,
+            s["write_through"],
+        )
+
+    def _python_loop(self, trace, prep, pol, scenarios, bs: int, pool_blocks: int, pool):
+        """cluster.simulate over the Python instances: the reference loop, and every case the compiled one
+        (compiled_run.py) does not cover."""
+        s = self.settings
         flat, off = prep.keys.tolist(), prep.offsets.tolist()
         keys = [flat[off[r] : off[r + 1]] for r in range(prep.n_requests)]  # each request's, read-only, shared
         instances = []
@@ -275,12 +303,7 @@ class EngineSimBackend:
                 cache = QuickPool(prep, pool_blocks, {}, keys)
             else:
                 cache = pol.cache(prep, pool_blocks, {})
-            tiers = TierStack(
-                Tier("dram", self._blocks(s["dram_capacity"], bs, "--dram-capacity"), self.hw.host_to_device_bw),
-                Tier("ssd", self._blocks(s["ssd_capacity"], bs, "--ssd-capacity"), self.hw.ssd_to_device_bw),
-                pool,
-                s["write_through"],
-            )
+            tiers = self._tiers(bs, pool)
             inst = Instance(i, cache, tiers, self.latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
             inst.scenarios = scenarios
             _hook(inst)
@@ -302,10 +325,7 @@ class EngineSimBackend:
         for sc in scenarios:
             sc.attach(instances, reqs, trace, prep, bs)
         timeline = simulate(instances, reqs, s["router"], successors, think, scenarios, s["max_concurrency"])
-        summarise = functools.partial(modeled_latency_summary, slo=self.slo)
-        result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, summarise)
-        result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
-        return result
+        return reqs, instances, timeline
 
 
 def _busiest_load(start: np.ndarray, work: np.ndarray, duration: np.ndarray) -> float:

@@ -8,7 +8,11 @@ import numpy as np
 from kvbench.run.backend import PointResult
 
 
-def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, pool, latency_summary) -> PointResult:
+def point_result(
+    pol, reqs, instances, prep, trace, timeline, kv_bytes_block, pool, latency_summary, evictions=None
+) -> PointResult:
+    """`evictions`: (per request, evictor × victim tenant matrix) when the compiled loop counted them; else
+    each instance's pool has them."""
     n, bs = len(reqs), prep.block_size
     for inst in instances:
         if hasattr(inst.cache, "flush_evictions"):  # (QuickPool counts its evictions at the end)
@@ -29,7 +33,9 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
     def tokens(blocks):
         return np.minimum(blocks * bs, inp)
 
-    evictions = sum(inst.cache.out.evictions for inst in instances)
+    if evictions is None:
+        evictions = (sum(i.cache.out.evictions for i in instances), sum(i.cache.out.evict_matrix for i in instances))
+    evictions, matrix = evictions
     columns = {
         "hit_blocks": hit_blocks,
         "hit_tokens": tokens(hit_blocks),
@@ -80,7 +86,6 @@ def point_result(pol, reqs, instances, prep, trace, timeline, kv_bytes_block, po
         "requests_per_instance": _per_instance(reqs, instances),
         "kv_lifetime_s": _lifetimes(instances),
     }
-    matrix = sum(inst.cache.out.evict_matrix for inst in instances)
     extra = {
         "latency": latency,
         "engine": engine,
