@@ -57,6 +57,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"stopped the engines this test session started: {line}")
 
 
+@pytest.fixture(autouse=True)
+def _own_trace_cache(tmp_path_factory, monkeypatch):
+    """Each test its own empty trace cache (kvbench.run.tracecache), never the user's ~/.cache: a replay in a
+    test runs cold, and a second replay of the same file in the same test loads what the first stored."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path_factory.mktemp("trace-cache")))
+
+
 def kvbench(*args, cwd=None) -> subprocess.CompletedProcess:
     """The installed `kvbench` command, as a user runs it: arguments made strings, output captured as text."""
     return subprocess.run(["kvbench", *map(str, args)], capture_output=True, text=True, cwd=cwd)

@@ -130,6 +130,11 @@ class SimBackend:
                 )
 
     def replay(self, trace: pa.Table, meta: TraceMeta, progress=None) -> Iterator[PointResult]:
+        return self.replay_cached(trace, meta, None, progress)
+
+    def replay_cached(self, trace: pa.Table, meta: TraceMeta, cache, progress=None) -> Iterator[PointResult]:
+        """`replay`, each prepared trace (`kvbench.cache.prepared`) loaded from the trace cache's entry `cache`
+        when it holds one for these options, else prepared and stored there (`TraceCacheUser`)."""
         bs = meta.block_size
         caps = (
             parse_capacities(self.capacity_spec, bs, self.model, self.kv_dtype)
@@ -147,12 +152,14 @@ class SimBackend:
             from kvbench.cache.prepared import tenant_codes
 
             check_quota_tenants(self.policy_options, tenant_codes(trace, None)[1])
-        prepared = {}
+        prepared, had_next_use = {}, set()
 
         def prepared_for(name):
             cap = name == "vllm"  # vLLM recomputes at least the last prompt token
             if cap not in prepared:
-                prepared[cap] = prepare(trace, bs, use_salt=self.salt, share_lora=self.share_lora_kv, vllm_cap=cap)
+                prepared[cap] = self._prepare(trace, bs, cap, cache)
+                if prepared[cap].next_use_known:
+                    had_next_use.add(cap)
             return prepared[cap]
 
         for pol in pols:
@@ -160,6 +167,22 @@ class SimBackend:
                 yield self._point(pol, prepared_for(pol.name), cap.blocks, cap.text)
         if self.curve:
             yield from self._curves(pols, prepared_for)
+        if cache is not None:  # the Belady bound's next uses, computed on demand, are kept for the next run
+            for cap, prep in prepared.items():
+                if prep.next_use_known and cap not in had_next_use:
+                    cache.store_prepared(cache.prepared_part(self.salt, self.share_lora_kv, cap), prep)
+
+    def _prepare(self, trace: pa.Table, bs: int, vllm_cap: bool, cache):
+        """The trace prepared for these options: from the trace cache when it holds it, else made (and stored)."""
+        part = cache and cache.prepared_part(self.salt, self.share_lora_kv, vllm_cap)
+        if cache is not None and (kept := cache.load_prepared(part)) is not None:
+            return kept
+        if cache is not None:
+            trace = cache.with_block_hashes(trace)
+        prep = prepare(trace, bs, use_salt=self.salt, share_lora=self.share_lora_kv, vllm_cap=vllm_cap)
+        if cache is not None:
+            cache.store_prepared(part, prep)
+        return prep
 
     def replay_stream(self, scanned, progress=None) -> Iterator[StreamedPoint]:
         """The same points as `replay`, each answering the trace chunk by chunk (bounded memory): policies

@@ -57,6 +57,11 @@ class PreparedTrace:
             return self.input_tokens
         return self.input_tokens + np.maximum(self.output_tokens, 1) - 1
 
+    @property
+    def next_use_known(self) -> bool:
+        """Whether `next_use` was computed (or loaded with the rest from the trace cache)."""
+        return self._next_use is not None
+
     def next_use(self) -> np.ndarray:
         """int32[m]: index of the next request that references the same key after this reference's request
         (n_requests + 1 when never), the future knowledge Belady needs. Computed once, on demand."""

@@ -18,6 +18,13 @@ from kvbench.run.saturation import describe as describe_saturation
 from kvbench.trace.stats import DEFAULT_WARMUP
 
 DEFAULT_BACKEND = "sim"
+TRACE_CACHE_HELP = (
+    "offline backends, trace read whole: keep what reading and preparing TRACE computes (validation, "
+    "fingerprint, infinite-cache hits; sim: dense block keys, 4-12 bytes of disk a block reference) in "
+    "$KVBENCH_CACHE_DIR [default: ~/.cache/kvbench/prepared], keyed by the file's path, size and times, and load "
+    "it on the next run of the same file (the first run pays the writing); results are the same either way. "
+    "Delete the folder to clear it"
+)
 
 
 def _backend_from_args(args: list[str]) -> str:
@@ -91,6 +98,12 @@ class ReplayCommand(click.Command):
     "[default: stream traces of more than 60 million block references]",
 )
 @click.option(
+    "--trace-cache/--no-trace-cache",
+    default=True,
+    show_default=True,
+    help=TRACE_CACHE_HELP,
+)
+@click.option(
     "--resume",
     is_flag=True,
     help="live backends: continue the interrupted run in --out DIR; requests it answered (ok, error, timeout) "
@@ -136,6 +149,7 @@ def replay(
     as_json,
     report,
     stream,
+    trace_cache,
     resume,
     force,
     max_failure_rate,
@@ -183,6 +197,7 @@ def replay(
             ray_address=ray_address,
             overwrite=overwrite,
             force=force,
+            trace_cache=trace_cache,
         )
     for w in summary.get("workers") or ():
         if w["status"] == "dead":

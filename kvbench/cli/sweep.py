@@ -14,7 +14,7 @@ from click.core import ParameterSource
 
 from kvbench.cli.compare import LazyBar
 from kvbench.cli.render import console
-from kvbench.cli.replay import DEFAULT_BACKEND
+from kvbench.cli.replay import DEFAULT_BACKEND, TRACE_CACHE_HELP
 from kvbench.errors import KvbenchError
 from kvbench.options import DeprecatedAlias
 from kvbench.report.sweep import write_index
@@ -241,10 +241,11 @@ Flags override the file's keys."""
     show_default=True,
     help="CPUs Ray reserves for each point's task (--executor ray); 0.5 runs two points per CPU",
 )
+@click.option("--trace-cache/--no-trace-cache", default=True, show_default=True, help=TRACE_CACHE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print sweep.json (the manifest) to stdout")
 def sweep(
     grid_file, traces, backends, engine_args, engine, out, warmup, executor, workers, retries, ray_address,
-    ray_cpus_per_point, as_json, **backend_options,
+    ray_cpus_per_point, trace_cache, as_json, **backend_options,
 ):  # fmt: skip
     """Replay a grid: every trace x backend x policy x capacity x engine args, each point into its own run
     directory OUT/<trace>_<backend>_<policy>_<capacity>[_<engine args>]/, with OUT/sweep.json (the grid and
@@ -260,6 +261,7 @@ def sweep(
     """
     ctx = click.get_current_context()
     grid, toml = _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options)
+    grid.trace_cache = trace_cache
     executor = _executor_settings(ctx, toml, locals())
     out_dir = sweep_dir(out or toml.get("out"))  # claimed once every option was checked
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -25,7 +25,8 @@ Callbacks are arguments, never attributes the runner sets: an offline backend wh
 the `progress` it is given with a `Progress`.
 
 Optional: an offline backend that takes part in `kvbench demo` is also a `DemoGrid` (has a classmethod
-`demo_options(trace, meta) -> dict`); the demo asks `issubclass(cls, DemoGrid)`.
+`demo_options(trace, meta) -> dict`); the demo asks `issubclass(cls, DemoGrid)`. One that keeps what it
+prepares from a trace in the trace cache is also a `TraceCacheUser` (has `replay_cached`).
 """
 
 from __future__ import annotations
@@ -173,6 +174,21 @@ class DemoGrid(Protocol):
 
 
 PROTOCOLS: dict[str, type] = {"offline": OfflineBackend, "streaming": StreamingBackend, "online": OnlineBackend}
+
+
+@runtime_checkable
+class TraceCacheUser(Protocol):
+    """The optional part of the offline protocols for a backend that keeps what it prepares from a trace in the
+    trace cache (`kvbench.run.tracecache`; the sim backend keeps its dense block keys). The runner then calls
+    `replay_cached` instead of `replay`, with the trace's entry, or None when the cache is off: the trace comes
+    without its block_hashes column when the entry already held it, and the backend loads what it prepared
+    before from `cache`, or reads the block ids back (`cache.block_hashes`) and stores what it prepares."""
+
+    def replay_cached(
+        self, trace: pa.Table, meta: TraceMeta, cache, progress: ProgressCallback | None = None
+    ) -> Iterator[PointResult | Skipped]: ...
+
+
 _MEMBERS: dict[str, tuple[str, ...]] = {  # what each kind must define on its class (pacing and slo: instances)
     "offline": ("cli_options", "config", "replay"),
     "streaming": ("cli_options", "config", "replay", "replay_stream"),

@@ -27,12 +27,14 @@ from kvbench.run.backend import (
     Skipped,
     StreamedPoint,
     StreamingBackend,
+    TraceCacheUser,
     protocol_of,
 )
 from kvbench.run.plugins import load_backend
 from kvbench.run.results import WRITE_ROWS, ResultWriter
 from kvbench.run.rundir import RunDir, stamp
 from kvbench.run.saturation import saturation
+from kvbench.run.tracecache import TraceCache
 from kvbench.trace.files import TraceMeta
 from kvbench.trace.metrics import MetricSums
 from kvbench.trace.scan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
@@ -60,11 +62,14 @@ class _Trace(NamedTuple):
     table: pa.Table | None = None
     n_blocks: np.ndarray | None = None  # int64[n] blocks per request, with `table`
     scanned: ScannedTrace | None = None
+    cache: TraceCache | None = None  # its entry in the trace cache (`tracecache`), for a backend that uses one
 
 
-def _open_trace(trace_path: Path, stream: bool | None, warmup: float) -> _Trace:
+def _open_trace(trace_path: Path, stream: bool | None, warmup: float, cache=False, light=False) -> _Trace:
     """A trace over STREAM_BLOCK_REFS block references (or any, with stream=True) is scanned, to be read
-    again chunk by chunk; otherwise it is read whole, which is faster."""
+    again chunk by chunk; otherwise it is read whole, which is faster. Read whole with `cache`, what reading
+    it computes comes from its entry in the trace cache (made on the first run); `light`: the backend takes
+    the trace without block_hashes (`TraceCacheUser`), which the entry then need not read at all."""
     if stream is None:
         refs = block_references(trace_path)
         stream = refs > STREAM_BLOCK_REFS
@@ -79,16 +84,28 @@ def _open_trace(trace_path: Path, stream: bool | None, warmup: float) -> _Trace:
         s = scan_trace(trace_path, warmup=warmup)
         facts = {"fingerprint": s.fingerprint, "requests": s.n_requests, "block_references": s.block_references}
         return _Trace(s.meta, facts, s.infinite_cache, scanned=s)
+    entry = TraceCache.for_file(trace_path) if cache else None
+    if entry is not None and (hit := entry.load_trace()) is not None:
+        table = hit.table if light else entry.with_block_hashes(hit.table)
+        infinite = _infinite_rates(hit.infinite_hits, hit.n_blocks, table, hit.meta.block_size, warmup)
+        return _Trace(hit.meta, hit.facts, infinite, table, hit.n_blocks, cache=entry)
     table, meta = read_valid_trace(trace_path)
     n_blocks = pc.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
     hits = infinite_cache_hits(table.column("block_hashes"), number=numbered_chunks)
-    input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
     facts = {
         "fingerprint": trace_fingerprint(table),
         "requests": table.num_rows,
         "block_references": int(n_blocks.sum()),
     }
-    return _Trace(meta, facts, hit_rates(hits, n_blocks, input_tokens, meta.block_size, warmup), table, n_blocks)
+    if entry is not None:
+        entry.store_trace(meta, facts, table, n_blocks, hits)
+    infinite = _infinite_rates(hits, n_blocks, table, meta.block_size, warmup)
+    return _Trace(meta, facts, infinite, table, n_blocks, cache=entry)
+
+
+def _infinite_rates(hits: np.ndarray, n_blocks: np.ndarray, table: pa.Table, block_size: int, warmup: float) -> dict:
+    input_tokens = table.column("input_tokens").to_numpy().astype(np.int64)
+    return hit_rates(hits, n_blocks, input_tokens, block_size, warmup)
 
 
 def _whole_answers(point: PointResult, trace: _Trace) -> Iterator[tuple]:
@@ -123,6 +140,7 @@ def run_replay(
     ray_address: str = "",
     overwrite: bool = False,
     force: bool = False,
+    trace_cache: bool = True,
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
     are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
@@ -131,14 +149,17 @@ def run_replay(
     `workers`, `executor`, `ray_address` (live backends): spread the load over Ray actors (`distributed`).
     Every option is checked before the run directory is claimed (`rundir`): an existing `out` is refused unless
     `resume` or `overwrite`; `force` lets --resume go on with pacing options that differ from the first run's.
-    A run that fails before it measured anything leaves no directory behind."""
+    A run that fails before it measured anything leaves no directory behind. `trace_cache`: an offline replay of
+    a trace read whole keeps what reading and preparing it computes in the trace cache, and loads it from there
+    on the next run of the same file (`tracecache`; results are the same either way)."""
     trace_path = Path(trace_path)
     backend, protocol = _make_backend(backend_name, backend_options)
     online = protocol is OnlineBackend
     check_executor(workers, executor, online, ray_address)
     if resume and not (online and out):
         raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
-    trace = _open_trace(trace_path, False if online else stream, warmup)
+    light = isinstance(backend, TraceCacheUser)
+    trace = _open_trace(trace_path, False if online else stream, warmup, cache=trace_cache and not online, light=light)
     if trace.scanned is not None and protocol is not StreamingBackend:
         raise KvbenchError(
             f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
@@ -324,7 +345,9 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
     _write_summary(run_dir, summary)
     writer = ResultWriter(run_dir / "requests.parquet", commit_every_s=OFFLINE_COMMIT_S)
     try:
-        if scanned is None:
+        if scanned is None and isinstance(backend, TraceCacheUser):
+            points = backend.replay_cached(trace.table, meta, trace.cache, progress=progress)
+        elif scanned is None:
             points = backend.replay(trace.table, meta, progress=progress)
         else:
             points = backend.replay_stream(scanned, progress=progress)
@@ -357,7 +380,10 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
         summary["interrupted"] = True
     finally:
         writer.close()
-        _finish(run_dir, summary, report, trace.table if scanned is None else None)
+        table = trace.table
+        if report and trace.cache is not None:  # the reports read the block ids, which a cached trace left out
+            table = trace.cache.with_block_hashes(table)
+        _finish(run_dir, summary, report, table if scanned is None else None)
 
 
 def _skipped(summary: dict, part: Skipped) -> None:

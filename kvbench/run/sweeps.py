@@ -64,6 +64,7 @@ class Grid:
     engine: str | None = None  # the local engine that engine args restart
     options: dict = field(default_factory=dict)  # backend options by parameter name, passed to every point
     warmup: float = DEFAULT_WARMUP
+    trace_cache: bool = True  # offline points keep and load what preparing a trace computes (run.tracecache)
 
 
 def split_values(value) -> list[str]:
@@ -226,6 +227,7 @@ def run_point(point: Point, grid: Grid, out_dir: Path, url: str | None = None, c
             warmup=grid.warmup,
             command=f"{command or 'kvbench sweep'} [point {point.name}]",
             overwrite=True,  # the sweep owns its points' folders: one left unfinished is run again
+            trace_cache=grid.trace_cache,
         )
     except Exception as exc:  # noqa: BLE001 - a failed point is recorded and the sweep goes on
         return {"status": "failed", "error": one_line(exc), "seconds": round(time.monotonic() - t0, 3)}
