@@ -20,13 +20,75 @@ removes (tests patch an entry with `monkeypatch.setitem`).
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import sys
 from collections.abc import Callable, Iterator, MutableMapping
-from importlib.metadata import EntryPoint, entry_points
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
 _MISSING: Any = object()
+
+
+class EntryPoint(NamedTuple):
+    """An entry point an installed distribution declares: `value` is "module:attribute" (extras ignored)."""
+
+    name: str
+    value: str
+
+    def load(self) -> Any:
+        """The object it names, its module imported (what importlib.metadata's EntryPoint.load does)."""
+        module, _, attrs = self.value.partition("[")[0].partition(":")
+        obj = importlib.import_module(module.strip())
+        for attr in filter(None, attrs.strip().split(".")):
+            obj = getattr(obj, attr)
+        return obj
+
+
+def entry_points(group: str) -> list[EntryPoint]:
+    """The entry points of `group` that the distributions on sys.path declare in their entry_points.txt, the
+    first distribution of a name on sys.path counting (as importlib.metadata finds them). Read here because
+    importing importlib.metadata and letting it parse every distribution's metadata for its name took 40 ms of
+    every command's start-up (a simulator's whole run on a small trace is 0.5 s); this lists the folders on
+    sys.path and opens the entry_points.txt of each distribution in them (1 ms). A sys.path entry that is not a
+    folder (a zip) is left to importlib.metadata."""
+    if any(os.path.isfile(folder) for folder in sys.path if folder):
+        from importlib.metadata import entry_points as from_metadata
+
+        return [EntryPoint(ep.name, ep.value) for ep in from_metadata(group=group)]
+    found, seen = [], set()
+    for folder in sys.path:
+        try:
+            names = sorted(os.listdir(folder or "."))
+        except OSError:
+            continue
+        for name in names:
+            stem, dot, suffix = name.rpartition(".")
+            if not dot or suffix not in ("dist-info", "egg-info"):
+                continue
+            dist = stem.partition("-")[0].lower().replace("-", "_").replace(".", "_")
+            if dist in seen:
+                continue
+            seen.add(dist)
+            try:
+                with open(os.path.join(folder or ".", name, "entry_points.txt"), encoding="utf-8") as f:
+                    found += _section(f.read(), group)
+            except OSError:
+                continue
+    return found
+
+
+def _section(text: str, group: str) -> list[EntryPoint]:
+    """The `name = value` lines of the [group] section of an entry_points.txt (INI, comments with # or ;)."""
+    out, inside = [], False
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            inside = line[1:-1].strip() == group
+        elif inside and line and line[0] not in "#;" and "=" in line:
+            name, _, value = line.partition("=")
+            out.append(EntryPoint(name.strip(), value.strip()))
+    return out
 
 
 class Registry(MutableMapping[str, T]):
