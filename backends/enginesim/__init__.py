@@ -267,9 +267,10 @@ class EngineSimBackend:
         if pool_size:
             pool_bw = s["pool_bandwidth_gbps"] * 1e9
             pool = GlobalStore("global", pool_size, pool_bw, policy=s["pool_policy"], put_on=s["pool_put"])
-        if compiled_run.applies(s, pol, scenarios, self.latency, s["router"], self._tiers(bs, pool)):
+        tiers, pcie = self._tiers(bs, pool), self.hw.host_to_device_bw
+        if compiled_run.applies(s, pol, scenarios, self.latency, s["router"], tiers, prep.n_requests):
             reqs, instances, timeline, *evictions = compiled_run.run(
-                prep, trace, s["instances"], pool_blocks, self.sched, self.latency, s["router"], self.hw.host_to_device_bw
+                prep, trace, s["instances"], pool_blocks, self.sched, self.latency, s["router"], pcie
             )
         else:
             reqs, instances, timeline = self._python_loop(trace, prep, pol, scenarios, bs, pool_blocks, pool)
@@ -278,7 +279,6 @@ class EngineSimBackend:
         result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, summarise, evictions)
         result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
         return result
-
 
     def _tiers(self, bs: int, pool) -> TierStack:
         """One instance's tiers below HBM (the global store, `pool`, shared by all)."""

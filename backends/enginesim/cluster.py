@@ -79,6 +79,9 @@ def _cache_aware(instances, req, state):
     return best
 
 
+BUILTIN_ROUTERS = dict(ROUTERS)  # the routers above, as registered here (a plugin may register or replace others)
+
+
 def simulate(
     instances: list[Instance],
     reqs: list[Req],

@@ -10,9 +10,7 @@ batch; compiled, an hour of a busy cluster replays in seconds (benchmarks/engine
 
 from __future__ import annotations
 
-from numba import types
-from numba.typed import List
-
+import numpy as np
 from kvbench.backends.enginesim.compiled_pool import (
     MAXHIT,
     admission_need,
@@ -23,7 +21,12 @@ from kvbench.backends.enginesim.compiled_pool import (
     grow,
     init_pool,
 )
+
 from kvbench.cache.compiled import kernel_fn
+
+# numba's, bound before any compile (kvbench.cache.compiled._use_jit): an AOT replay never imports numba
+NUMBA_GLOBALS = {"List": "numba.typed:List", "types": "numba:types"}
+List = types = None
 
 # per-request ints `rq[FIELD, r]` beyond the pool's (compiled_pool.HELD ... TENANT = 0..5)
 NIN, NOUT, TODO, CONTEXT, GEN, INSTANCE, CACHED_ON, HIT, RECOMP, SWAPPED, REJECTED, WNEXT = range(6, 18)
@@ -53,9 +56,7 @@ def _cost(lat, tokens, pairs, kv_read, kv_written, seqs):
         return 0.0
     comm = tokens * lat[COMM_BPT] / lat[PEER_BW] if lat[TP] > 1 else 0.0
     if lat[CALIBRATED]:
-        step = (
-            lat[C_STEP] + lat[C_SEQ] * seqs + lat[C_TOKEN] * tokens + lat[C_PAIR] * pairs + lat[C_KV] * kv_read
-        )
+        step = lat[C_STEP] + lat[C_SEQ] * seqs + lat[C_TOKEN] * tokens + lat[C_PAIR] * pairs + lat[C_KV] * kv_read
         return max(step, 0.0) + comm
     compute = tokens * lat[LIN_FPT] / lat[LIN_FS] + pairs * lat[ATTN_FPP] / lat[ATTN_FS]
     share = lat[ACTIVE]
@@ -216,8 +217,8 @@ def _take_all(sl, pc, born, hk, hv, keys, rq, held, hoff, dec, cfg, i, n_dec, mo
     for j in range(n_dec):
         r = dec[i, j]
         if rq[CACHED_ON, r] == i:
-            grow(sl, pc, born, hk, hv, keys, rq, held, hoff, i, r, rq[CONTEXT, r] + more, cfg[BS], now, ev, matrix, life,
-                 life_of)  # fmt: skip
+            tokens = rq[CONTEXT, r] + more
+            grow(sl, pc, born, hk, hv, keys, rq, held, hoff, i, r, tokens, cfg[BS], now, ev, matrix, life, life_of)
 
 
 @kernel_fn()
@@ -402,13 +403,24 @@ def _cut(ins, insf, i, t, seq):
     return seq
 
 
-@kernel_fn()
-def run_cluster(S, rq, rqf, due, order, fixed, ins, insf, running, pieces_r, pieces_t, dec, lat, cfg, capacity,
-                sample_every):  # fmt: skip
-    """Cluster.run: requests arrive at `due` (in `order`), each instance runs iteration after iteration.
-    Returns the KV timeline's samples: times, each instance's used blocks, running and waiting sequences."""
-    sl = S[0]
-    init_pool(sl, S[1], capacity)
+RUN_SIGNATURE = (
+    "Tuple((f8[::1], i8[::1], f8[::1], i8[::1], i8[::1], i8[::1]))("
+    "i4[:, :, ::1], i8[:, ::1], f8[:, ::1], i4[:, ::1], i4[:, ::1], i4[::1], i4[::1], i8[::1], i4[::1], i4[::1], "
+    "i8[:, ::1], i8[:, ::1], f8[:, ::1], f8[::1], i8[::1], i8[::1], i8[:, ::1], f8[:, ::1], i8[:, ::1], i8[:, ::1], "
+    "i8[:, ::1], i8[:, ::1], f8[::1], i8[::1], i8, f8)"
+)
+
+
+@kernel_fn(RUN_SIGNATURE)
+def run_cluster(sl, pc, born, hk, hv, keys, held, hoff, scratch, ev, matrix, rq, rqf, due, order, fixed, ins, insf,
+                running, pieces_r, pieces_t, dec, lat, cfg, capacity, sample_every):  # fmt: skip
+    """Cluster.run: requests arrive at `due` (in `order`), each instance runs iteration after iteration. The
+    first eleven arrays are compiled_pool.py's (evictions and the evictor x victim tenant matrix last).
+    Returns the evicted blocks' lifetimes and instances, and the KV timeline's samples: times, each instance's
+    used blocks, running and waiting sequences."""
+    life, life_of = List.empty_list(types.float64), List.empty_list(types.int64)
+    S = (sl, pc, born, hk, hv, keys, held, hoff, scratch, ev, matrix, life, life_of)
+    init_pool(sl, pc, capacity)
     n, n_inst = due.size, ins.shape[0]
     for i in range(n_inst):
         ins[i, WHEAD], ins[i, WTAIL] = -1, -1
@@ -453,4 +465,23 @@ def run_cluster(S, rq, rqf, due, order, fixed, ins, insf, running, pieces_r, pie
             seq = _start(S, rq, rqf, ins, insf, running, pieces_r, pieces_t, dec, lat, cfg, b, t, seq)
         else:
             break
-    return sample_t, sample_used, sample_running, sample_waiting
+    return (
+        _array_f8(life), _array_i8(life_of), _array_f8(sample_t), _array_i8(sample_used), _array_i8(sample_running),
+        _array_i8(sample_waiting),
+    )  # fmt: skip
+
+
+@kernel_fn()
+def _array_f8(values):
+    out = np.empty(len(values), np.float64)
+    for j in range(len(values)):
+        out[j] = values[j]
+    return out
+
+
+@kernel_fn()
+def _array_i8(values):
+    out = np.empty(len(values), np.int64)
+    for j in range(len(values)):
+        out[j] = values[j]
+    return out

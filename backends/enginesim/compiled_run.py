@@ -14,54 +14,63 @@ from kvbench.backends.enginesim import cluster
 from kvbench.backends.enginesim.engine import MAX_FAST_FORWARD, Instance, Req
 from kvbench.backends.enginesim.roofline import LatencyModel
 
+from kvbench.cache.compiled import start_background_build
 from kvbench.cache.policies.vllm import VllmPool
 from kvbench.cache.tiers import TierStack
 
 ROUTER_CODES = {"round-robin": 0, "least-loaded": 1, "cache-aware": 2, "prefix-affinity": 3}  # compiled_loop.ROUTER
-OFF_SWITCH = "KVBENCH_ENGINE_LOOP"  # =python: always the Python loop (to compare, or to rule the compiled one out)
+# KVBENCH_ENGINE_LOOP=python: always the Python loop (to compare, or to rule the compiled one out); =compiled: the
+# compiled one wherever it applies, compiled now if need be; unset: as `applies` says
+SWITCH = "KVBENCH_ENGINE_LOOP"
+# Below this many requests the Python loop (~2,000 requests/s) is done before numba would have compiled the loop
+# (~45 s on one core): such a replay runs in Python while the AOT module builds in the background for later runs.
+JIT_WORTH_REQUESTS = 50_000
 
 
-def applies(settings: dict, pol, scenarios, latency, router: str, tiers: TierStack) -> bool:
-    """Whether the compiled loop covers this replay (it gives the Python loop's results, only faster)."""
+def applies(settings: dict, pol, scenarios, latency, router: str, tiers: TierStack, n_requests: int) -> bool:
+    """Whether to run the compiled loop: it covers this replay (with the Python loop's results, only faster),
+    and it is built, or the replay is long enough to be worth compiling it now."""
+    if not _covers(settings, pol, scenarios, latency, router, tiers) or os.environ.get(SWITCH) == "python":
+        return False
+    from kvbench.backends.enginesim.compiled_loop import run_cluster
+
+    if run_cluster.aot_ready() or os.environ.get(SWITCH) == "compiled" or n_requests >= JIT_WORTH_REQUESTS:
+        return True
+    start_background_build(run_cluster.unit)
+    return False
+
+
+def _covers(settings: dict, pol, scenarios, latency, router: str, tiers: TierStack) -> bool:
     return (
-        os.environ.get(OFF_SWITCH, "") != "python"
-        and pol.cache is VllmPool
+        pol.cache is VllmPool
         and not scenarios
         and not tiers.lower
         and not settings["closed_loop"]
         and not settings["max_concurrency"]
         and type(latency) is LatencyModel
         and router in ROUTER_CODES
-        and cluster.ROUTERS[router] is _BUILTIN_ROUTERS[router]  # (not replaced by a plugin's)
+        and cluster.ROUTERS[router] is cluster.BUILTIN_ROUTERS.get(router)  # (not replaced by a plugin's)
     )
-
-
-_BUILTIN_ROUTERS = {
-    "round-robin": cluster._round_robin,
-    "least-loaded": cluster._least_loaded,
-    "cache-aware": cluster._cache_aware,
-    "prefix-affinity": cluster._prefix_affinity,
-}
 
 
 def _latency_constants(latency: LatencyModel, kv_bytes_block: float, pcie_bw: float) -> np.ndarray:
     from kvbench.backends.enginesim import compiled_loop as L
 
     lat = np.zeros(L.LAT_FIELDS)
-    cal = latency.calibration
+    cal, terms = latency.calibration, latency.step_terms()
     values = {
         L.CALIBRATED: cal is not None,
-        L.LIN_FPT: latency._linear_flops_per_token,
-        L.LIN_FS: latency._linear_flops_s,
-        L.ATTN_FPP: latency._attn_flops_per_pair,
-        L.ATTN_FS: latency._attn_flops_s,
-        L.WEIGHT_BYTES: latency._weight_bytes,
+        L.LIN_FPT: terms["linear_flops_per_token"],
+        L.LIN_FS: terms["linear_flops_s"],
+        L.ATTN_FPP: terms["attn_flops_per_pair"],
+        L.ATTN_FS: terms["attn_flops_s"],
+        L.WEIGHT_BYTES: terms["weight_bytes"],
         L.TP: latency.tp,
-        L.ACTIVE: latency._active_fraction,
-        L.BYTES_S: latency._bytes_s,
-        L.KV_BYTES: latency._kv_bytes,
-        L.KV_SHARDS: latency._kv_shards,
-        L.COMM_BPT: latency._comm_bytes_per_token,
+        L.ACTIVE: terms["active_fraction"],
+        L.BYTES_S: terms["bytes_s"],
+        L.KV_BYTES: terms["kv_bytes"],
+        L.KV_SHARDS: terms["kv_shards"],
+        L.COMM_BPT: terms["comm_bytes_per_token"],
         L.PEER_BW: latency.hw.peer_bw,
         L.KV_BYTES_BLOCK: kv_bytes_block,
         L.PCIE_BW: pcie_bw,
@@ -110,11 +119,7 @@ def run(prep, trace, n_instances: int, pool_blocks: int, sched, latency: Latency
     hk, hv = np.full((n_instances, table), -1, np.int32), np.zeros((n_instances, table), np.int32)
     evictions = np.zeros(n, np.int32)
     matrix = np.zeros((len(prep.tenant_names),) * 2, np.int64)
-    from numba import types
-    from numba.typed import List
-
-    lifetimes, lifetime_of = List.empty_list(types.float64), List.empty_list(types.int64)
-    S = (
+    pool = (
         sl,
         np.zeros((n_instances, 3), np.int64),
         born,
@@ -126,8 +131,6 @@ def run(prep, trace, n_instances: int, pool_blocks: int, sched, latency: Latency
         np.zeros(max(1, int(most.max(initial=1))), np.int32),
         evictions,
         matrix,
-        lifetimes,
-        lifetime_of,
     )
     entry_delay = latency.request_overhead_s
     due = arrival + entry_delay
@@ -144,11 +147,11 @@ def run(prep, trace, n_instances: int, pool_blocks: int, sched, latency: Latency
     )  # fmt: skip
     span = float(arrival.max() - arrival.min()) if n else 0.0
     sample_every = max(span, 1e-3) / cluster.TIMELINE_POINTS
-    samples = L.run_cluster(
-        S, rq, rqf, due, order, fixed, ins, insf, *batch, _latency_constants(latency, kv_bytes_block, pcie_bw), cfg,
+    lifetimes, lifetime_of, *samples = L.run_cluster(
+        *pool, rq, rqf, due, order, fixed, ins, insf, *batch, _latency_constants(latency, kv_bytes_block, pcie_bw), cfg,
         pool_blocks, sample_every,
     )  # fmt: skip
-    instances = _instances(ins, insf, sl, born, hk, hv, lifetimes, lifetime_of, latency, pool_blocks, bs, sched, pcie_bw)
+    instances = _instances(ins, insf, pool, lifetimes, lifetime_of, latency, pool_blocks, bs, sched, pcie_bw)
     reqs = _requests(rq, rqf, arrival, prep, instances)
     return reqs, instances, _timeline(samples, n_instances, pool_blocks), evictions, matrix
 
@@ -157,7 +160,7 @@ def _fixed_routes(prep, n_instances: int) -> np.ndarray:
     """prefix-affinity's choice per request: a function of the request's first keys alone."""
     keys, off, state = prep.keys, prep.offsets, {}
     stand_ins = list(range(n_instances))
-    pick = cluster._prefix_affinity
+    pick = cluster.ROUTERS["prefix-affinity"]
     first = [keys[off[r] : min(off[r + 1], off[r] + cluster.AFFINITY_BLOCKS)].tolist() for r in range(prep.n_requests)]
     return np.array([pick(stand_ins, _Keys(k), state) for k in first], np.int64)
 
@@ -169,12 +172,12 @@ class _Keys:
         self.keys = keys
 
 
-def _instances(ins, insf, sl, born, hk, hv, lifetimes, lifetime_of, latency, pool_blocks, bs, sched, pcie_bw):
+def _instances(ins, insf, pool, lifetimes, lifetime_of, latency, pool_blocks, bs, sched, pcie_bw):
     from kvbench.backends.enginesim import compiled_loop as L
 
     from kvbench.cache.tiers import Tier
 
-    life, life_of = np.asarray(lifetimes, np.float64), np.asarray(lifetime_of, np.int64)
+    born, hk, hv = pool[2:5]
     out = []
     for i in range(ins.shape[0]):
         tiers = TierStack(Tier("dram", 0, 1.0), Tier("ssd", 0, 1.0), None, False)
@@ -186,7 +189,7 @@ def _instances(ins, insf, sl, born, hk, hv, lifetimes, lifetime_of, latency, poo
             swap_bytes=float(insf[i, L.SWAP_BYTES]),
             steps=int(ins[i, L.STEPS]),
         )
-        inst.lifetimes = life[life_of == i].tolist()
+        inst.lifetimes = lifetimes[lifetime_of == i].tolist()
         heads = hv[i][hk[i] != -1]  # each cached key's oldest slot holds its birth
         inst.born = dict(enumerate(born[i, heads].tolist()))
         out.append(inst)
@@ -215,11 +218,11 @@ def _requests(rq, rqf, arrival, prep, instances) -> list[Req]:
 def _timeline(samples, n_instances: int, pool_blocks: int) -> dict:
     """Cluster._sample's record from the loop's samples (the same float arithmetic)."""
     t, used, running, waiting = samples
-    used = np.asarray(used, np.int64).reshape(-1, n_instances).tolist()
+    used = used.reshape(-1, n_instances).tolist()
     usage = [float(np.mean([min(1.0, u / pool_blocks) if pool_blocks else 0.0 for u in row])) for row in used]
     return {
-        "t_s": [round(x, 6) for x in t],
+        "t_s": [round(x, 6) for x in t.tolist()],
         "kv_usage": usage,
-        "running": list(running),
-        "waiting": list(waiting),
+        "running": running.tolist(),
+        "waiting": waiting.tolist(),
     }

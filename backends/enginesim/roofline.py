@@ -169,6 +169,11 @@ class LatencyModel:
         for key, value in derived.items():
             object.__setattr__(self, key, value)
 
+    def step_terms(self) -> dict[str, float]:
+        """The constants `_cost` computes a step from (derived in __post_init__), by name without the underscore:
+        for a compiled copy of `_cost` (compiled_loop.py)."""
+        return {key.removeprefix("_"): value for key, value in vars(self).items() if key.startswith("_")}
+
     @property
     def kv_bytes_per_token(self) -> float:
         """KV bytes one token occupies across all layers and all TP ranks: what the cache tiers store and move."""

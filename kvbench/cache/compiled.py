@@ -10,6 +10,10 @@ needs no numba at all. Kernels are written once, as plain numba-compatible Pytho
   must pass exactly those dtypes (C-contiguous arrays, `[::1]`);
 - `@kernel_fn()` marks a helper only called from kernels (numba compiles it into its callers).
 
+Kernels are grouped in units, one AOT module each, named after a hash of the unit's sources: `kvbench.cache`
+(the simulator's) for every module under it, otherwise the kernel module's own package (a backend's, e.g.
+kvbench.backends.enginesim), so a backend brings its kernels without touching the core's module.
+
 Nothing here imports numba until a kernel has to be JIT-compiled or the AOT module built.
 
 Environment: KVBENCH_KERNEL_DIR (where AOT modules live; default $XDG_CACHE_HOME/kvbench or ~/.cache/kvbench),
@@ -35,9 +39,21 @@ _PKG = __package__  # kvbench.cache (also when run with `python -m`)
 _LOCK_STALE_S = 900  # a build lock older than this is from a build that died
 
 _registry: dict[str, KernelFn] = {}  # export name -> kernel, in registration order
-_aot_module = None
-_aot_tried = False
-_build_started = False
+_aot_modules: dict[str, object] = {}  # unit -> its loaded AOT module, or None (tried, none usable)
+_builds_started: set[str] = set()
+
+
+def unit_of(module: str) -> str:
+    """The AOT unit of a kernel defined in `module` (see the module docstring)."""
+    if module == _PKG or module.startswith(_PKG + "."):
+        return _PKG
+    return module.rpartition(".")[0]
+
+
+def _unit_dir(unit: str) -> Path:
+    if unit == _PKG:
+        return _PKG_DIR
+    return Path(importlib.util.find_spec(unit).submodule_search_locations[0])
 
 
 class KernelFn:
@@ -48,7 +64,8 @@ class KernelFn:
         self.signature = signature
         self.__name__ = py_func.__name__
         self.__doc__ = py_func.__doc__
-        mod = py_func.__module__.removeprefix(_PKG + ".")
+        self.unit = unit_of(py_func.__module__)
+        mod = py_func.__module__.removeprefix(self.unit + ".")
         self.export_name = f"{mod.replace('.', '_')}__{py_func.__name__}"
         self._dispatcher = None
         self._impl = None
@@ -64,13 +81,17 @@ class KernelFn:
         if self._impl is None:
             impl = None
             if self.signature is not None and _aot_enabled():
-                impl = getattr(_load_aot(), self.export_name, None)
+                impl = getattr(_load_aot(self.unit), self.export_name, None)
             if impl is None:
                 _use_jit()
                 impl = self.dispatcher()
-                _start_background_build()
+                start_background_build(self.unit)
             self._impl = impl
         return self._impl
+
+    def aot_ready(self) -> bool:
+        """Whether this entry point would run from an AOT module now (no numba import, no compile)."""
+        return self.signature is not None and _aot_enabled() and hasattr(_load_aot(self.unit), self.export_name)
 
     def __call__(self, *args):
         return self.resolve()(*args)
@@ -108,7 +129,9 @@ def i8(a):
 def _use_jit() -> None:
     """Point every kernel module's globals at numba dispatchers for the helpers, so that kernels calling them
     (also across modules: tenant_quota uses trie.py's heaps) compile against dispatchers, not these wrappers.
-    Entry points stay wrappers (Python calls them; kernels never do), so each one still picks AOT or JIT."""
+    Entry points stay wrappers (Python calls them; kernels never do), so each one still picks AOT or JIT.
+    A module's `NUMBA_GLOBALS` (name -> "module:attribute", e.g. numba's typed List) are bound here too: kernels
+    may use them, and a process that runs AOT kernels only never imports numba for them."""
     seen = set()
     for k in list(_registry.values()):
         g = k.py_func.__globals__
@@ -118,6 +141,9 @@ def _use_jit() -> None:
         for name, value in list(g.items()):
             if isinstance(value, KernelFn) and value.signature is None:
                 g[name] = value.dispatcher()
+        for name, where in g.get("NUMBA_GLOBALS", {}).items():
+            module, _, attr = where.partition(":")
+            g[name] = getattr(importlib.import_module(module), attr)
 
 
 # --- the AOT module: name, location, loading -------------------------------------------------------------
@@ -147,36 +173,37 @@ def _dist_version(name: str) -> str:
     return version(name)
 
 
-def module_name() -> str:
-    """Name of the AOT module for these kernel sources, numba/numpy and this interpreter."""
+def module_name(unit: str = _PKG) -> str:
+    """Name of the AOT module for a unit's kernel sources, numba/numpy and this interpreter."""
     h = hashlib.sha256()
-    for path in sorted(_PKG_DIR.rglob("*.py")):
-        h.update(str(path.relative_to(_PKG_DIR)).encode())
+    root = _unit_dir(unit)
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     for part in (_dist_version("numba"), _dist_version("numpy"), sys.version, sysconfig.get_platform()):
         h.update(part.encode())
-    return f"kvbench_kernels_{h.hexdigest()[:16]}"
+    prefix = "kvbench" if unit == _PKG else unit.replace(".", "_")
+    return f"{prefix}_kernels_{h.hexdigest()[:16]}"
 
 
 def _ext_path(name: str) -> Path:
     return kernel_dir() / (name + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
-def _load_aot():
-    global _aot_module, _aot_tried
-    if not _aot_tried:
-        _aot_tried = True
-        name = module_name()
+def _load_aot(unit: str = _PKG):
+    if unit not in _aot_modules:
+        _aot_modules[unit] = None
+        name = module_name(unit)
         path = _ext_path(name)
         if path.exists():
             try:
                 spec = importlib.util.spec_from_file_location(name, path)
                 mod = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(mod)
-                _aot_module = mod
+                _aot_modules[unit] = mod
             except Exception:  # a broken or foreign file: JIT instead (the build replaces it)
-                _aot_module = None
-    return _aot_module
+                pass
+    return _aot_modules[unit]
 
 
 # --- building -----------------------------------------------------------------------------------------
@@ -190,18 +217,17 @@ def _failed_path(name: str) -> Path:
     return kernel_dir() / (name + ".failed")
 
 
-def _start_background_build() -> None:
-    """Once per process, and only when no AOT module, build or failed build exists for these sources."""
-    global _build_started
-    if _build_started or not _aot_enabled():
+def start_background_build(unit: str = _PKG) -> None:
+    """Once per process and unit, and only when no AOT module, build or failed build exists for its sources."""
+    if unit in _builds_started or not _aot_enabled():
         return
-    _build_started = True
+    _builds_started.add(unit)
     try:
-        name = module_name()
+        name = module_name(unit)
         if _ext_path(name).exists() or _failed_path(name).exists() or _lock_is_fresh(name):
             return
         subprocess.Popen(
-            [sys.executable, "-m", f"{_PKG}.compiled", "build"],
+            [sys.executable, "-m", f"{_PKG}.compiled", "build", unit],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -232,17 +258,17 @@ def _take_lock(name: str) -> bool:
     return False
 
 
-def build(wait: bool = True, timeout_s: float = 600) -> Path | None:
-    """Build the AOT module for the current sources (no-op if it exists) and return its path; None when it
-    cannot be built (no C compiler...). If another process is building it, wait for that build (`wait`)."""
-    name = module_name()
+def build(wait: bool = True, timeout_s: float = 600, unit: str = _PKG) -> Path | None:
+    """Build a unit's AOT module for the current sources (no-op if it exists) and return its path; None when
+    it cannot be built (no C compiler...). If another process is building it, wait for that build (`wait`)."""
+    name = module_name(unit)
     target = _ext_path(name)
     kernel_dir().mkdir(parents=True, exist_ok=True)
     deadline = time.time() + timeout_s
     while not target.exists():
         if _take_lock(name):
             try:
-                _compile(name, target)
+                _compile(unit, name, target)
                 _failed_path(name).unlink(missing_ok=True)  # an explicit build retries what a background one failed
             except Exception as e:
                 _failed_path(name).write_text(f"{type(e).__name__}: {e}\n")
@@ -258,15 +284,16 @@ def build(wait: bool = True, timeout_s: float = 600) -> Path | None:
     return target
 
 
-def _compile(name: str, target: Path) -> None:
+def _compile(unit: str, name: str, target: Path) -> None:
     import importlib
     import warnings
 
-    for path in sorted(_PKG_DIR.rglob("*.py")):  # importing every module registers every kernel
-        parts = path.relative_to(_PKG_DIR).with_suffix("").parts
+    root = _unit_dir(unit)
+    for path in sorted(root.rglob("*.py")):  # importing every module registers every kernel
+        parts = path.relative_to(root).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        importlib.import_module(".".join((_PKG, *parts)))
+        importlib.import_module(".".join((unit, *parts)))
     _use_jit()  # the exported functions' helpers must be dispatchers for pycc too
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # numba.pycc's pending-deprecation warning
@@ -277,7 +304,7 @@ def _compile(name: str, target: Path) -> None:
             cc.output_dir = tmp
             cc.verbose = False
             for k in _registry.values():
-                if k.signature is not None:
+                if k.signature is not None and k.unit == unit:
                     cc.export(k.export_name, k.signature)(k.py_func)
             cc.compile()
             built = Path(tmp) / target.name
@@ -289,7 +316,7 @@ if __name__ == "__main__":
     import importlib
 
     compiled = importlib.import_module(f"{_PKG}.compiled")
-    if sys.argv[1:] == ["build"]:
-        sys.exit(0 if compiled.build() is not None else 1)
-    print(f"usage: python -m {_PKG}.compiled build", file=sys.stderr)
+    if sys.argv[1:2] == ["build"] and len(sys.argv) <= 3:
+        sys.exit(0 if compiled.build(unit=sys.argv[2] if len(sys.argv) == 3 else _PKG) is not None else 1)
+    print(f"usage: python -m {_PKG}.compiled build [UNIT, default {_PKG}]", file=sys.stderr)
     sys.exit(2)

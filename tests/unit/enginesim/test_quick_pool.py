@@ -10,6 +10,7 @@ import kvbench.backends.enginesim as enginesim
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from kvbench.backends.enginesim import compiled_run
 from kvbench.backends.enginesim.pool import QuickPool
 
 from kvbench.cache.policies.vllm import VllmPool
@@ -119,6 +120,7 @@ def test_the_same_calls_leave_both_pools_in_the_same_state(capacity, tracked):
 def test_engine_sim_gives_the_same_results_with_the_reference_pool(sample, opts, tmp_path, monkeypatch):
     """Preemption, evictions and routing included: every per-request column and the engine facts are equal."""
     trace = SAMPLES / f"{sample}.parquet"
+    monkeypatch.setenv(compiled_run.SWITCH, "python")  # the pools compared are the Python loop's
 
     def go(name):
         run_dir, summary = run_replay(trace, "engine-sim", opts, out=tmp_path / name, report=False)
