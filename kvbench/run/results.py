@@ -118,7 +118,9 @@ class ResultWriter:
 
     def close(self) -> None:
         if self._held and not self._base_rows and not list_parts(self.path):
-            write_durably(self._held, RESULT_SCHEMA, self.path)  # everything is held: one write, no merge
+            # everything is held: one write, no merge, one row group (each point its own took twice as long:
+            # 130 against 61 ms for 16 points of 12k requests, half of an 8-capacity Mooncake run's work)
+            write_durably([pa.concat_tables(self._held)], RESULT_SCHEMA, self.path)
             self._held, self._held_rows = [], 0
             return
         self.commit()
