@@ -1,9 +1,11 @@
 """engine-sim speed: a one-hour chat trace of 100k requests on 8 instances (the issue's bar: under 60 s), and
-a small trace per router for the history."""
+a small trace per router and event loop (Python reference, compiled) for the history."""
 
 from __future__ import annotations
 
-from kvbench.backends.enginesim import EngineSimBackend
+import os
+
+from kvbench.backends.enginesim import EngineSimBackend, compiled_run
 
 from kvbench.trace import generators
 
@@ -27,16 +29,20 @@ class HourOfChat:
 
 
 class Routers:
-    params = ["round-robin", "least-loaded", "prefix-affinity", "cache-aware"]
-    param_names = ["router"]
+    params = (["round-robin", "least-loaded", "prefix-affinity", "cache-aware"], ["python", "compiled"])
+    param_names = ["router", "loop"]
 
-    def setup(self, router):
+    def setup(self, router, loop):
+        os.environ[compiled_run.SWITCH] = loop
         self.table, self.meta = generators.get("chat").run(5000, seed=2, session_rate=9.3)
 
-    def time_5k_requests_4_instances(self, router):
+    def teardown(self, router, loop):
+        os.environ.pop(compiled_run.SWITCH, None)
+
+    def time_5k_requests_4_instances(self, router, loop):
         list(EngineSimBackend(instances=4, router=router).replay(self.table, self.meta))
 
-    def track_hit_rate(self, router):
+    def track_hit_rate(self, router, loop):
         """Token hit rate (all requests) of 4 instances behind this router on a 5k-request chat trace."""
         (point,) = EngineSimBackend(instances=4, router=router).replay(self.table, self.meta)
         hit = point.columns["hit_tokens"].sum()

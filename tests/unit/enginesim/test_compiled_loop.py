@@ -150,3 +150,19 @@ def test_the_aot_module_builds_and_replays(tmp_path):
         else:
             assert r.stdout.strip().endswith("ran NoneType"), r.stdout
     _assert_same_rows(outs["aot"], outs["python"])
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_short_replay_waits_for_the_aot_module_in_the_python_loop(built, tmp_path, monkeypatch):
+    """Without the AOT module a short replay runs the Python loop (quicker than compiling) and starts its build;
+    with it, the compiled loop runs."""
+    from kvbench.backends.enginesim import compiled_loop
+
+    monkeypatch.delenv(compiled_run.SWITCH, raising=False)
+    monkeypatch.setattr(type(compiled_loop.run_cluster), "aot_ready", lambda self: built)
+    builds, runs = [], []
+    monkeypatch.setattr(compiled_run, "start_background_build", builds.append)
+    real_run = compiled_run.run
+    monkeypatch.setattr(compiled_run, "run", lambda *a: runs.append(1) or real_run(*a))
+    run_replay(SAMPLES / "chat.parquet", "engine-sim", {"hbm_capacity": "400"}, out=tmp_path / "r", report=False)
+    assert (runs, builds) == (([1], []) if built else ([], ["kvbench.backends.enginesim"]))
