@@ -159,9 +159,10 @@ def validate(trace):
 def replay(trace, backend: str = "sim", out=None, report: bool = True, overwrite: bool = False, *,
            warmup: float | None = None, stream: bool | None = None, resume: bool = False, force: bool = False,
            workers: int = 1, executor: str = "local", ray_address: str = "", progress=None,
-           **options) -> Run:  # fmt: skip
+           trace_cache: bool = True, **options) -> Run:  # fmt: skip
     """`kvbench replay TRACE --backend BACKEND [options]`: a run directory (`out`, else reports/<time>-…).
     `options` are the backend's, e.g. replay("chat.parquet", policy="lru,s3fifo", capacity=[1000, 10000]).
+    `trace_cache`: --trace-cache/--no-trace-cache (kvbench.run.tracecache).
     An existing `out` is refused unless `overwrite` (or `resume`, for live backends). A live run's failure
     rate is in `summary['points'][0]['failures']`; Ctrl-C returns the run with summary['interrupted']."""
     import click
@@ -179,7 +180,7 @@ def replay(trace, backend: str = "sim", out=None, report: bool = True, overwrite
     run_dir, summary = run_replay(
         path, backend, backend_options, out=out, warmup=warmup, progress=progress, report=report, stream=stream,
         command=f"kvbench.replay({str(path)!r}, backend={backend!r}{given})", resume=resume, workers=workers,
-        executor=executor, ray_address=ray_address, overwrite=overwrite, force=force,
+        executor=executor, ray_address=ray_address, overwrite=overwrite, force=force, trace_cache=trace_cache,
     )  # fmt: skip
     return Run(run_dir, summary)
 

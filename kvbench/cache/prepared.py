@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvbench.cache.densify import Numbering, densify, flat_ids, next_request_use
 from kvbench.trace.blockhash import mix, name_key
+from kvbench.trace.compute import pc
 from kvbench.trace.metrics import NO_LABEL
 from kvbench.trace.schema import DEFAULT_PRIORITY
 

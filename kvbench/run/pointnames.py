@@ -20,9 +20,9 @@ from numbers import Number
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvbench.errors import KvbenchDeprecationWarning
+from kvbench.trace.compute import pc
 
 _NUMBER_WITH_UNIT = re.compile(r"^(-?\d+(?:\.\d+)?)[A-Za-z]+$")
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvbench.errors import KvbenchError
 from kvbench.run.backend import PointResult
 from kvbench.run.pointnames import rename_column, run_renames
 from kvbench.run.resultparts import PartWriter, list_parts, merge_parts, remove_parts, write_durably
+from kvbench.trace.compute import pc, to_text
 
 REQUESTS_FILE = "requests.parquet"
 
@@ -51,10 +51,6 @@ RESULT_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
     ]
 )
-
-
-def _text(col: pa.ChunkedArray) -> pa.ChunkedArray:
-    return col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
 
 
 WRITE_ROWS = 1 << 20
@@ -132,8 +128,8 @@ def _rows(trace: pa.Table, point: PointResult, start: int) -> pa.Table:
     arrays = {
         "point": pa.repeat(pa.scalar(point.name, pa.string()), n),
         "request_id": trace.column("request_id"),
-        "tenant": _text(trace.column("tenant")),
-        "workload": _text(trace.column("workload")),
+        "tenant": to_text(trace.column("tenant")),
+        "workload": to_text(trace.column("workload")),
         "input_tokens": trace.column("input_tokens"),
         "output_tokens": trace.column("output_tokens"),
     }

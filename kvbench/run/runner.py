@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvbench import __version__
 from kvbench.cache.densify import numbered_chunks
@@ -35,6 +34,7 @@ from kvbench.run.results import WRITE_ROWS, ResultWriter
 from kvbench.run.rundir import RunDir, stamp
 from kvbench.run.saturation import saturation
 from kvbench.run.tracecache import TraceCache
+from kvbench.trace.compute import pc
 from kvbench.trace.files import TraceMeta
 from kvbench.trace.metrics import MetricSums
 from kvbench.trace.scan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
@@ -141,6 +141,7 @@ def run_replay(
     overwrite: bool = False,
     force: bool = False,
     trace_cache: bool = True,
+    trace_label: str | None = None,
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
     are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
@@ -151,7 +152,8 @@ def run_replay(
     `resume` or `overwrite`; `force` lets --resume go on with pacing options that differ from the first run's.
     A run that fails before it measured anything leaves no directory behind. `trace_cache`: an offline replay of
     a trace read whole keeps what reading and preparing it computes in the trace cache, and loads it from there
-    on the next run of the same file (`tracecache`; results are the same either way)."""
+    on the next run of the same file (`tracecache`; results are the same either way). `trace_label`: how the
+    results name the trace when `trace_path` is a copy of it (a sweep's point on another node)."""
     trace_path = Path(trace_path)
     backend, protocol = _make_backend(backend_name, backend_options)
     online = protocol is OnlineBackend
@@ -172,7 +174,7 @@ def run_replay(
         out, DEFAULT_REPORTS / new_run_id(backend_name, trace_path), resume=resume, overwrite=overwrite
     )
     run_dir = claimed.path
-    summary = _new_summary(run_dir.name, command, trace_path, trace, backend_name, config)
+    summary = _new_summary(run_dir.name, command, trace_label or trace_path, trace, backend_name, config)
     try:
         if online:
             _run_online(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
@@ -222,7 +224,7 @@ def _make_backend(backend_name: str, backend_options: dict):
     return backend_cls(**backend_options), protocol
 
 
-def _new_summary(run_id: str, command, trace_path: Path, trace: _Trace, backend_name: str, config: dict) -> dict:
+def _new_summary(run_id: str, command, trace_path, trace: _Trace, backend_name: str, config: dict) -> dict:
     """summary.json before the first point: what was replayed, through what, how; no results yet."""
     return {
         "kvbench_version": __version__,

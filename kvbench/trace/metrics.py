@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+
+from kvbench.trace.compute import dictionary_encode, fill_null, pc, to_text
 
 NO_LABEL = "(none)"  # the group of requests without a tenant / workload
 
@@ -59,10 +60,6 @@ class HitSums:
         }
 
 
-def _text(labels) -> pa.Array | pa.ChunkedArray:
-    return labels.cast(pa.string()) if pa.types.is_dictionary(labels.type) else labels
-
-
 class _GroupSums:
     """Per label (tenant, workload): requests, input tokens, hit tokens, and both over the steady state."""
 
@@ -71,7 +68,7 @@ class _GroupSums:
 
     def add(self, labels, input_tokens: np.ndarray, hit_tokens: np.ndarray, steady: np.ndarray) -> None:
         # pyarrow's dictionary encoding + numpy bincount: no polars import (0.35 s) on the common path
-        encoded = pc.dictionary_encode(_text(labels).fill_null(NO_LABEL))
+        encoded = dictionary_encode(fill_null(to_text(labels), NO_LABEL))
         if isinstance(encoded, pa.ChunkedArray):
             encoded = encoded.unify_dictionaries().combine_chunks()
         codes = np.asarray(encoded.indices, dtype=np.int64)
@@ -122,7 +119,7 @@ class _ModalitySums:
         owner = np.asarray(pc.list_parent_indices(mm))
         offset = pc.struct_field(flat, "offset").to_numpy(zero_copy_only=False).astype(np.int64)
         tokens = pc.struct_field(flat, "tokens").to_numpy(zero_copy_only=False).astype(np.int64)
-        modality = np.array(_text(pc.struct_field(flat, "modality")).to_pylist(), dtype=object)
+        modality = np.array(to_text(pc.struct_field(flat, "modality")).to_pylist(), dtype=object)
         hit_in_span = np.clip(hit_tokens[owner] - offset, 0, tokens)
         for name in set(modality.tolist()):
             sel = modality == name

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from kvbench.trace.compute import pc
 from kvbench.trace.outofcore import GrowingArray
 
 # Values looked up per searchsorted call: bounds the int64 positions it returns to 32 MB.

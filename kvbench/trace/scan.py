@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvbench.errors import ValidationFailed
+from kvbench.trace.compute import pc
 from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, iter_batches, open_parquet, read_meta, request_ids_at
 from kvbench.trace.metrics import NO_LABEL, HitSums
 from kvbench.trace.outofcore import GrowingArray, InfiniteCacheStream

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from kvbench.trace.compute import pc
 from kvbench.trace.summary import TraceSummary
 
 _SLICE_ROWS = 16384  # rows of the trace per step of infinite_cache_hits (~1M block references of chat)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from kvbench.trace.compute import pc
 from kvbench.trace.metrics import NO_LABEL, HitSums
 
 PERCENTILES = (50, 90, 99)

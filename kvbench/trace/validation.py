@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvbench.errors import ValidationFailed
+from kvbench.trace.compute import pc
 from kvbench.trace.files import read_trace
 from kvbench.trace.references import GrowingReferences, References, check_across_rows
 from kvbench.trace.schema import REQUIRED_COLUMNS, TRACE_SCHEMA, type_mismatch
