@@ -293,6 +293,12 @@ class RayPool(PointPool):
             self.started = True
         self._remote = ray.remote(max_retries=0, retry_exceptions=False)(_run_task)
 
+    def share(self, data):
+        """`data` in the cluster's object store, for the tasks to read (kvbench.run.shipping)."""
+        if self._remote is None:
+            self._connect()
+        return self.ray.put(data)
+
     def default_limit(self) -> int:
         # the cluster schedules tries by their CPUs; an explicit --workers caps how many run at once
         return self.settings.workers or UNLIMITED

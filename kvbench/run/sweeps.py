@@ -33,6 +33,7 @@ from kvbench.run.backend import is_online
 from kvbench.run.executors import ExecutorSettings, one_line, open_pool, run_points
 from kvbench.run.plugins import load_backend
 from kvbench.run.rundir import MANIFEST
+from kvbench.run.shipping import ShippedTask, share_traces, unpack
 from kvbench.trace.stats import DEFAULT_WARMUP
 
 AXES = ("trace", "backend", "policy", "capacity", "engine_args")
@@ -208,9 +209,17 @@ def _outcome(summary: dict, status: str, seconds: float | None) -> dict:
     return {"status": status, "error": None, "seconds": seconds, "hit_rate": hr.get("all"), "steady": hr.get("steady")}
 
 
-def run_point(point: Point, grid: Grid, out_dir: Path, url: str | None = None, command: str | None = None) -> dict:
+def run_point(
+    point: Point,
+    grid: Grid,
+    out_dir: Path,
+    url: str | None = None,
+    command: str | None = None,
+    trace_label: str | None = None,
+) -> dict:
     """Replay one point into out_dir/<name>. Always: run_sweep skips the points an earlier sweep finished,
-    and a directory completed by an uncounted try of this sweep (a process pool that broke) is rewritten."""
+    and a directory completed by an uncounted try of this sweep (a process pool that broke) is rewritten.
+    `trace_label`: the trace's name in the results when point.trace is a copy of it (kvbench.run.shipping)."""
     from kvbench.run.runner import run_replay
 
     run_dir = out_dir / point.name
@@ -228,6 +237,7 @@ def run_point(point: Point, grid: Grid, out_dir: Path, url: str | None = None, c
             command=f"{command or 'kvbench sweep'} [point {point.name}]",
             overwrite=True,  # the sweep owns its points' folders: one left unfinished is run again
             trace_cache=grid.trace_cache,
+            trace_label=trace_label,
         )
     except Exception as exc:  # noqa: BLE001 - a failed point is recorded and the sweep goes on
         return {"status": "failed", "error": one_line(exc), "seconds": round(time.monotonic() - t0, 3)}
@@ -248,7 +258,8 @@ class PointTask:
     command: str | None
     cwd: str
 
-    def __call__(self, point: Point) -> dict:
+    def __call__(self, point: Point, trace_label: str | None = None, into: str | None = None) -> dict:
+        """Run the point into `out_dir`, or into `into` (a worker's own folder, kvbench.run.shipping)."""
         try:
             here = os.getcwd()
         except FileNotFoundError:  # a worker whose folder was removed
@@ -261,7 +272,8 @@ class PointTask:
                 )
             os.chdir(self.cwd)
         url = self.url if is_live(point.backend) else None
-        return {**run_point(point, self.grid, Path(self.out_dir), url, self.command), "host": socket.gethostname()}
+        outcome = run_point(point, self.grid, Path(into or self.out_dir), url, self.command, trace_label)
+        return {**outcome, "host": socket.gethostname()}
 
 
 def visible(out_dir: Path, point: Point, outcome: dict) -> dict:
@@ -275,13 +287,6 @@ def visible(out_dir: Path, point: Point, outcome: dict) -> dict:
         "error": f"ran on {outcome.get('host')}, but {out_dir / point.name}/summary.json is not complete here: "
         "put --out on a filesystem every node shares",
     }
-
-
-def shared_filesystem_note(out_dir: Path) -> str:
-    return (
-        f"each node reads the traces and writes {out_dir}/<point>/ itself: both must be on a filesystem every "
-        f"node mounts at the same path (relative paths are taken from {os.getcwd()} on every node)"
-    )
 
 
 def is_loopback(url: str | None) -> bool:
@@ -373,8 +378,15 @@ def run_sweep(
     engine = EngineStages(grid.engine, say, status)
     try:
         with open_pool(settings, say) as pool:
-            if settings.ray_address:
-                say(shared_filesystem_note(out_dir))
+            shipped = None  # with Ray: the traces, sent to the workers once (kvbench.run.shipping)
+
+            def task_for(url):
+                task = PointTask(grid, str(out_dir), url, command, os.getcwd())
+                return task if shipped is None else ShippedTask(task, shipped)
+
+            def received(p, outcome):
+                return visible(out_dir, p, outcome if shipped is None else unpack(outcome, out_dir, p.name))
+
             for engine_args, stage in stages(points):
                 todo = []
                 for p in stage:  # finished by an earlier sweep: skipped here, never sent to a worker
@@ -385,9 +397,11 @@ def run_sweep(
                         record(p, {**_outcome(done, "skipped", None), "attempts": 0})
                 offline = [p for p in todo if not is_live(p.backend)]
                 live = [p for p in todo if is_live(p.backend)]
-                task = PointTask(grid, str(out_dir), None, command, os.getcwd())
-                for p, outcome in run_points(pool, task, offline, settings.retries, on_retry=retrying):
-                    record(p, visible(out_dir, p, outcome))
+                if settings.executor == "ray" and todo and shipped is None:
+                    shipped = share_traces(pool.share, [p.trace for p in points])
+
+                for p, outcome in run_points(pool, task_for(None), offline, settings.retries, on_retry=retrying):
+                    record(p, received(p, outcome))
                 if not live:
                     continue
                 try:
@@ -396,11 +410,11 @@ def run_sweep(
                     for p in live:
                         record(p, {"status": "failed", "error": f"engine: {one_line(exc)}", "attempts": 0})
                     continue
-                task = PointTask(grid, str(out_dir), url, command, os.getcwd())
                 here = is_loopback(url or grid.options.get("url"))
                 limit = settings.workers or 1  # side by side only when asked: they would share the server
+                task = task_for(url)
                 for p, outcome in run_points(pool, task, live, settings.retries, limit, here, on_retry=retrying):
-                    record(p, visible(out_dir, p, outcome))
+                    record(p, received(p, outcome))
         manifest["complete"] = True
     finally:
         try:

@@ -39,7 +39,7 @@ class FaultyTask(PointTask):
     the worker (this process, a spawned one or a Ray worker, which imports this class from this module) and
     the test must both see them: each try counts itself in OUT-faults/<point>.tries."""
 
-    def __call__(self, point):
+    def __call__(self, point, **kwargs):
         faults = json.loads((faults_dir(self.out_dir) / "faults.json").read_text())
         marker = faults_dir(self.out_dir) / f"{point.name}.tries"
         tries = int(marker.read_text()) + 1 if marker.exists() else 1
@@ -49,7 +49,7 @@ class FaultyTask(PointTask):
             raise RuntimeError("injected failure")
         if fault == "dies-always" or (fault == "dies-once" and tries == 1):
             os._exit(3)  # the worker process ends without a word, as when killed
-        return super().__call__(point)
+        return super().__call__(point, **kwargs)
 
 
 def sweep(*args):
