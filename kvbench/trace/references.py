@@ -51,7 +51,8 @@ class References:
         """`hashed=False` keeps the ids' text: exact, and no hashing (nor polars import) for a trace that is
         in memory anyway."""
         parent = t.column("parent_id").combine_chunks()
-        has_parent = np.flatnonzero(_np(parent.is_valid(), False))
+        valid = parent.is_valid()
+        has_parent = np.flatnonzero(_np(valid, False))
         deps = t.column("depends_on").combine_chunks()
 
         def ids(values):
@@ -60,7 +61,7 @@ class References:
         return cls(
             ids=ids(t.column("request_id").combine_chunks()),
             parent_rows=has_parent + first_row,
-            parents=ids(parent.take(pa.array(has_parent))),
+            parents=ids(parent.filter(valid)),  # (the rows of has_parent; pa.array(has_parent) imports numpy.ma)
             dep_rows=np.asarray(pc.list_parent_indices(deps), dtype=np.int64) + first_row,
             deps=ids(pc.list_flatten(deps)),
         )
