@@ -28,18 +28,25 @@ the same order every round so that machine noise falls on all of them alike; med
     touched in order); libCacheSim counts a hit per block reference, kvbench the leading run of a prompt's
     blocks (what prefill skips), so kvbench's block hit rate is at most libCacheSim's.
 
+Each kvbench command runs twice per round: cold, its trace cache (docs/architecture.md, Trace cache) emptied
+before every run, so that it reads, validates and prepares the trace and stores what it computed (what a
+first run of a trace costs); and warm, loading what the untimed first run stored (every later run of the
+same trace file).
+
 Untimed first: one run of each command (kvcache-simulator builds its C++ core, kvbench builds its compiled
 kernels and byte-compiles its modules, as a wheel install does), so no compilation is timed.
 
 (c) In process, one capacity (IN_PROCESS_CAPACITY blocks): a pure-Python OrderedDict block LRU (the usual
     quick script) against kvbench's kernels, as block references per second (medians of many runs);
-    "prepare included" counts isolation folding and id densification.
+    "prepare included" counts isolation folding and id densification, "load included" the same prepared
+    trace loaded from the trace cache instead (finding the file's entry, mapping its arrays).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -48,6 +55,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +89,26 @@ def _ensure(dist: str, probe: list[str]) -> bool:
     return subprocess.run(probe, capture_output=True).returncode == 0
 
 
+@dataclass
+class Command:
+    """A whole-process command of the comparison: what runs, how its output is read, and for kvbench's the
+    trace cache folder it runs with and whether that is emptied before each run (cold)."""
+
+    argv: list[str]
+    read: object
+    cache_dir: Path | None = None
+    cold: bool = False
+
+    def empty(self) -> None:
+        """A cold command's cache emptied (untimed, before its run)."""
+        if self.cold:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    def run(self) -> subprocess.CompletedProcess:
+        env = None if self.cache_dir is None else {**os.environ, "KVBENCH_CACHE_DIR": str(self.cache_dir)}
+        return subprocess.run(self.argv, capture_output=True, text=True, cwd=REPO, env=env)
+
+
 def kvcache_simulator_cmd(jsonl: Path, tmp: Path) -> list[str] | None:
     exe = shutil.which("kvcache-simulator") or str(Path(sys.executable).parent / "kvcache-simulator")
     if not _ensure("kvcache-simulator", [exe, "--help"]):
@@ -103,9 +131,9 @@ def read_kvcache_simulator(cmd: list[str], proc) -> dict:
     }
 
 
-def kvbench_cmd(parquet: Path, tmp: Path, policy: str, capacities: list[int], bound: bool) -> list[str]:
+def kvbench_cmd(parquet: Path, tmp: Path, policy: str, capacities: list[int], bound: bool, state: str) -> list[str]:
     exe = shutil.which("kvbench") or "kvbench"
-    name = f"kvbench-{policy}-{len(capacities)}-{'bound' if bound else 'nobound'}"
+    name = f"kvbench-{policy}-{len(capacities)}-{'bound' if bound else 'nobound'}-{state}"
     return [
         exe,
         "replay",
@@ -123,6 +151,17 @@ def kvbench_cmd(parquet: Path, tmp: Path, policy: str, capacities: list[int], bo
         "--out",
         str(tmp / name),
     ]  # fmt: skip  (--overwrite: each round replaces the last)
+
+
+def kvbench_commands(label: str, parquet: Path, tmp: Path, policy: str, capacities, bound: bool) -> dict:
+    """The kvbench command `label`, cold (its own cache folder, emptied before each run) and warm (a folder
+    the untimed first run fills, shared by the warm commands)."""
+    out = {}
+    for state in ("cold", "warm"):
+        argv = kvbench_cmd(parquet, tmp, policy, capacities, bound, state)
+        folder = tmp / (f"cache-cold-{len(out)}-{policy}" if state == "cold" else "cache-warm")
+        out[f"kvbench {label}, {state} trace cache"] = Command(argv, read_kvbench, folder, cold=state == "cold")
+    return out
 
 
 def read_kvbench(cmd: list[str], proc) -> dict:
@@ -158,31 +197,36 @@ def read_libcachesim(cmd: list[str], proc) -> dict:
     return {"version": _pip_version("libcachesim"), "block_hit_ratio": float(proc.stdout.split()[-1])}
 
 
-def interleaved(commands: dict[str, tuple[list[str], object]], rounds: int) -> dict[str, dict]:
-    """Each command once untimed, then `rounds` rounds of every command in turn; per command the wall times,
-    their median and what its reader makes of the last run's output."""
+def interleaved(commands: dict[str, Command], rounds: int) -> dict[str, dict]:
+    """Each command once untimed, then `rounds` rounds of every command in turn; per command the wall times
+    (a cold command's cache emptied before, untimed), their median and what its reader makes of the last
+    run's output."""
     out = {}
-    for name, (cmd, _) in commands.items():
+    for name, c in commands.items():
         print(f"  untimed first run: {name}", file=sys.stderr)
+        c.empty()
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        out[name] = {"command": cmd, "first_run_s": time.perf_counter() - t0, "wall_s": []}
+        proc = c.run()
+        out[name] = {"command": c.argv, "first_run_s": time.perf_counter() - t0, "wall_s": []}
+        if c.cache_dir is not None:
+            out[name]["trace_cache"] = "emptied before each run" if c.cold else "filled by the first run"
         if proc.returncode != 0:
             out[name].update(ok=False, error=f"exit {proc.returncode}: {_tail(proc.stderr)}")
     live = {n: c for n, c in commands.items() if out[n].get("ok", True)}
     last = {}
     for r in range(rounds):
         print(f"  round {r + 1}/{rounds}", file=sys.stderr)
-        for name, (cmd, _) in live.items():
+        for name, c in live.items():
+            c.empty()
             t0 = time.perf_counter()
-            last[name] = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+            last[name] = c.run()
             out[name]["wall_s"].append(time.perf_counter() - t0)
-    for name, (cmd, read) in live.items():
+    for name, c in live.items():
         proc = last.get(name)
         if proc is None or proc.returncode != 0:
             out[name].update(ok=False, error=f"exit {proc.returncode}: {_tail(proc.stderr)}" if proc else "no run")
             continue
-        out[name].update(ok=True, median_s=statistics.median(out[name]["wall_s"]), **read(cmd, proc))
+        out[name].update(ok=True, median_s=statistics.median(out[name]["wall_s"]), **c.read(c.argv, proc))
     return out
 
 
@@ -262,10 +306,43 @@ def run_in_process(parquet: Path, repeat: int) -> dict:
         "kvbench_lru_prepare_and_kernel": {"s": prep_s, "refs_per_s": refs / prep_s},
         "kvbench_lru_curve_all_capacities": {"s": curve_s},
     }
+    vllm = policies.get("vllm")
+
+    def prepare_and_replay_vllm():
+        vllm.kernel(prepare(table, meta.block_size, vllm_cap=True), IN_PROCESS_CAPACITY)
+
+    s = _median(prepare_and_replay_vllm, max(repeat, 20))
+    out["kvbench_vllm_prepare_and_kernel"] = {"s": s, "refs_per_s": refs / s}
+    out.update(_load_and_replay(parquet, table, meta, refs, max(repeat, 200)))
     capped = prepare(table, meta.block_size, vllm_cap=True)
     for name, prepared in (("lru", trace), ("vllm", capped), ("radix-lru", trace), ("belady", trace)):
         s = _median(densify_and_replay(name, prepared), max(repeat, 200))  # many: the VM is noisy
         out[f"kvbench_{name.replace('-', '_')}_densify_and_kernel"] = {"s": s, "refs_per_s": refs / s}
+    return out
+
+
+def _load_and_replay(parquet: Path, table, meta, refs: int, repeat: int) -> dict:
+    """lru and vllm with their prepared trace loaded from the trace cache (a fresh entry in a temporary folder,
+    stored once, untimed): finding the file's entry (a stat and its Parquet footer), mapping its arrays, the
+    kernel; what a warm run does instead of preparing."""
+    from kvbench.cache import policies
+    from kvbench.cache.prepared import prepare
+    from kvbench.run.tracecache import TraceCache
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="kvbench-peers-cache-") as root:
+        for name, cap in (("lru", False), ("vllm", True)):
+            entry = TraceCache.for_file(parquet, Path(root))
+            part = entry.prepared_part(True, False, cap)
+            entry.store_prepared(part, prepare(table, meta.block_size, vllm_cap=cap))
+            pol = policies.get(name)
+
+            def load_and_replay(pol=pol, part=part):
+                pol.kernel(TraceCache.for_file(parquet, Path(root)).load_prepared(part), IN_PROCESS_CAPACITY)
+
+            load_and_replay()
+            s = _median(load_and_replay, repeat)
+            out[f"kvbench_{name}_load_and_kernel"] = {"s": s, "refs_per_s": refs / s}
     return out
 
 
@@ -304,19 +381,17 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         commands = {}
         if (cmd := kvcache_simulator_cmd(args.jsonl, tmp)) is not None:
-            commands["kvcache-simulator lru, 8 capacities"] = (cmd, read_kvcache_simulator)
-        commands["kvbench radix-lru, 8 capacities, --no-bound"] = (
-            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=False),
-            read_kvbench,
-        )
-        commands["kvbench radix-lru, 8 capacities, Belady bound (default)"] = (
-            kvbench_cmd(args.parquet, tmp, "radix-lru", CAPACITIES, bound=True),
-            read_kvbench,
-        )
+            commands["kvcache-simulator lru, 8 capacities"] = Command(cmd, read_kvcache_simulator)
+        for label, policy, capacities, bound in (
+            ("radix-lru, 8 capacities, --no-bound", "radix-lru", CAPACITIES, False),
+            ("radix-lru, 8 capacities, Belady bound (default)", "radix-lru", CAPACITIES, True),
+        ):
+            commands.update(kvbench_commands(label, args.parquet, tmp, policy, capacities, bound))
         if (cmd := libcachesim_cmd(args.jsonl, tmp)) is not None:
-            commands["libcachesim LRU, 1 capacity"] = (cmd, read_libcachesim)
-        commands["kvbench lru, 1 capacity, --no-bound"] = (
-            kvbench_cmd(args.parquet, tmp, "lru", [IN_PROCESS_CAPACITY], bound=False), read_kvbench)  # fmt: skip
+            commands["libcachesim LRU, 1 capacity"] = Command(cmd, read_libcachesim)
+        commands.update(
+            kvbench_commands("lru, 1 capacity, --no-bound", args.parquet, tmp, "lru", [IN_PROCESS_CAPACITY], False)
+        )
         print(f"(a, b) whole processes, {args.rounds} interleaved rounds ...", file=sys.stderr)
         whole = interleaved(commands, args.rounds)
     print("(c) in process ...", file=sys.stderr)
@@ -344,25 +419,51 @@ def main(argv=None) -> int:
     return 0
 
 
+PEER_OF = {  # each kvbench command (less its cache state) and the peer it is measured against
+    "kvbench radix-lru, 8 capacities, --no-bound": (
+        "kvcache-simulator lru, 8 capacities",
+        "no_bound_over_kvcache_simulator",
+    ),
+    "kvbench radix-lru, 8 capacities, Belady bound (default)": (
+        "kvcache-simulator lru, 8 capacities",
+        "with_bound_over_kvcache_simulator",
+    ),
+    "kvbench lru, 1 capacity, --no-bound": ("libcachesim LRU, 1 capacity", "lru_over_libcachesim"),
+}
+STATES = ("cold", "warm")
+
+
 def _ratios(w: dict) -> dict:
-    """kvbench's median wall time over the peer's (below 1: kvbench faster), and the hit rates' agreement."""
+    """kvbench's median wall time over the peer's (below 1: kvbench faster), cold and warm, the bound's cost,
+    and the hit rates' agreement (with the peer, and between cold and warm runs)."""
 
     def med(name):
         return w.get(name, {}).get("median_s") if w.get(name, {}).get("ok") else None
 
-    peer8, ours8 = med("kvcache-simulator lru, 8 capacities"), med("kvbench radix-lru, 8 capacities, --no-bound")
-    bound8 = med("kvbench radix-lru, 8 capacities, Belady bound (default)")
-    peer1, ours1 = med("libcachesim LRU, 1 capacity"), med("kvbench lru, 1 capacity, --no-bound")
-    out = {
-        "kvbench_no_bound_over_kvcache_simulator": ours8 / peer8 if peer8 and ours8 else None,
-        "kvbench_with_bound_over_kvcache_simulator": bound8 / peer8 if peer8 and bound8 else None,
-        "bound_cost_s": bound8 - ours8 if bound8 and ours8 else None,
-        "kvbench_lru_over_libcachesim": ours1 / peer1 if peer1 and ours1 else None,
-    }
-    if peer8 and ours8:
-        theirs = w["kvcache-simulator lru, 8 capacities"]["token_steady"]
-        mine = w["kvbench radix-lru, 8 capacities, --no-bound"]["token_steady"]
-        out["max_abs_hit_rate_diff"] = max(abs(theirs[c] - mine[c]) for c in set(theirs) & set(mine))
+    out = {}
+    for ours, (peer, key) in PEER_OF.items():
+        for state in STATES:
+            mine, theirs = med(f"{ours}, {state} trace cache"), med(peer)
+            out[f"kvbench_{key}_{state}"] = mine / theirs if mine and theirs else None
+    for state in STATES:
+        bound = med(f"kvbench radix-lru, 8 capacities, Belady bound (default), {state} trace cache")
+        no_bound = med(f"kvbench radix-lru, 8 capacities, --no-bound, {state} trace cache")
+        out[f"bound_cost_s_{state}"] = bound - no_bound if bound and no_bound else None
+    peer = w.get("kvcache-simulator lru, 8 capacities", {})
+    for state in STATES:
+        mine = w.get(f"kvbench radix-lru, 8 capacities, --no-bound, {state} trace cache", {})
+        if peer.get("ok") and mine.get("ok"):
+            common = set(peer["token_steady"]) & set(mine["token_steady"])
+            out[f"max_abs_hit_rate_diff_{state}"] = max(
+                abs(peer["token_steady"][c] - mine["token_steady"][c]) for c in common
+            )
+    kv = [n for n in w if n.startswith("kvbench ") and n.endswith("cold trace cache")]
+    out["cold_and_warm_same_hit_rates"] = all(
+        w[n].get("ok")
+        and w[n.replace("cold", "warm")].get("ok")
+        and w[n]["block_all"] == w[n.replace("cold", "warm")]["block_all"]
+        for n in kv
+    )
     return out
 
 
@@ -376,9 +477,9 @@ def _table(r: dict) -> str:
     rows = [("what", "wall (median)", "rate", "vs peer")]
     ratios = r["ratios"]
     vs = {
-        "kvbench radix-lru, 8 capacities, --no-bound": ratios["kvbench_no_bound_over_kvcache_simulator"],
-        "kvbench radix-lru, 8 capacities, Belady bound (default)": ratios["kvbench_with_bound_over_kvcache_simulator"],
-        "kvbench lru, 1 capacity, --no-bound": ratios["kvbench_lru_over_libcachesim"],
+        f"{ours}, {state} trace cache": ratios[f"kvbench_{key}_{state}"]
+        for ours, (_, key) in PEER_OF.items()
+        for state in STATES
     }
     for name, w in r["whole_process"].items():
         if not w.get("ok"):
@@ -392,6 +493,9 @@ def _table(r: dict) -> str:
                  f"{py['refs_per_s'] / 1e6:.1f} M refs/s", "peer"))  # fmt: skip
     for key, label in (
         ("kvbench_lru_prepare_and_kernel", "kvbench lru, prepare included (target >= 200 M/s)"),
+        ("kvbench_vllm_prepare_and_kernel", "kvbench vllm, prepare included (target >= 200 M/s)"),
+        ("kvbench_lru_load_and_kernel", "kvbench lru, load from the trace cache included"),
+        ("kvbench_vllm_load_and_kernel", "kvbench vllm, load from the trace cache included"),
         ("kvbench_lru_densify_and_kernel", "kvbench lru kernel + densify"),
         ("kvbench_vllm_densify_and_kernel", "kvbench vllm kernel + densify"),
         ("kvbench_radix_lru_densify_and_kernel", "kvbench radix-lru kernel + densify"),
@@ -404,11 +508,17 @@ def _table(r: dict) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(4)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if ratios.get("bound_cost_s") is not None:
-        lines.append(f"\nthe Belady bound's cost (with - without, medians): {ratios['bound_cost_s']:.2f} s")
-    if ratios.get("max_abs_hit_rate_diff") is not None:
-        lines.append(f"steady-state hit rates, kvbench radix-lru vs kvcache-simulator lru: max |diff| = "
-                     f"{ratios['max_abs_hit_rate_diff']:.2e} over {len(CAPACITIES)} capacities")  # fmt: skip
+    for state in STATES:
+        if ratios.get(f"bound_cost_s_{state}") is not None:
+            lines.append(
+                f"the Belady bound's cost ({state}; with - without, medians): {ratios[f'bound_cost_s_{state}']:.2f} s"
+            )
+        if ratios.get(f"max_abs_hit_rate_diff_{state}") is not None:
+            diff = ratios[f"max_abs_hit_rate_diff_{state}"]
+            lines.append(f"steady-state hit rates ({state}), kvbench radix-lru vs kvcache-simulator lru: max |diff| = "
+                         f"{diff:.2e} over {len(CAPACITIES)} capacities")  # fmt: skip
+    if not ratios["cold_and_warm_same_hit_rates"]:
+        lines.append("WARNING: kvbench's cold and warm runs disagree on hit rates")
     if not py["same_hits_as_kvbench"]:
         lines.append("WARNING: the OrderedDict LRU and kvbench lru disagree on hit blocks")
     return "\n".join(lines)
