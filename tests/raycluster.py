@@ -3,7 +3,7 @@
 `ray.cluster_utils.Cluster`). It runs in a controller process of its own, so that the test process stays free
 to join any other cluster; the controller takes commands on stdin:
 
-    kill N     remove worker node N (its raylet and workers die, as when a machine is lost)
+    kill N     remove the Nth live worker node (its raylet and workers die, as when a machine is lost)
     add        start one more worker node
     quit       shut the cluster down
 
@@ -29,7 +29,7 @@ def main(n_nodes: int) -> None:
         for line in sys.stdin:
             cmd = line.split()
             if cmd[:1] == ["kill"]:
-                cluster.remove_node(nodes[int(cmd[1])], allow_graceful=False)
+                cluster.remove_node(nodes.pop(int(cmd[1])), allow_graceful=False)
                 print("killed", flush=True)
             elif cmd[:1] == ["add"]:
                 nodes.append(cluster.add_node(num_cpus=1))

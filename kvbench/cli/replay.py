@@ -124,7 +124,9 @@ class ReplayCommand(click.Command):
     default=1,
     show_default=True,
     help="live backends: load generators sharing the run, each with whole sessions (and what they depend on), all "
-    "starting at one instant; --max-concurrency applies to each. More than 1 needs --executor ray",
+    "starting at one instant; --max-concurrency applies to each. More than 1 needs --executor ray. A worker "
+    "lost with its node leaves its unanswered requests as worker_lost and the command exits with status 4; "
+    "--resume sends them",
 )
 @click.option(
     "--executor",
@@ -261,16 +263,18 @@ def _print_points(summary: dict) -> None:
 
 
 def _exit_status(summary: dict, run_dir, max_failure_rate: float) -> None:
-    """Exit 130 after an interruption (with how to go on), 3 when too many requests failed, else 0."""
+    """Exit 130 after an interruption (with how to go on), 3 when too many requests failed, 4 when a load
+    worker was lost before it answered its requests (with how to send them), else 0."""
+    resume = f"resume with: {shlex.join(redact_argv(['kvbench', *_resume_args(run_dir)]))}"
     if summary.get("interrupted"):
         live = any("failures" in p for p in summary["points"])
-        how = (
-            f"resume with: {shlex.join(redact_argv(['kvbench', *_resume_args(run_dir)]))}"
-            if live
-            else f"the points it finished are kept in {run_dir}/ (summary.json lists them)"
-        )
+        how = resume if live else f"the points it finished are kept in {run_dir}/ (summary.json lists them)"
         click.secho(f"interrupted: {how}", fg="yellow", err=True)
         sys.exit(130)
+    lost = sum(w["unfinished_requests"] for w in summary.get("workers") or () if w["status"] == "dead")
+    if lost:  # (before the failure rate, which counts them too: what to do next is to resume)
+        click.secho(f"{lost} requests were not answered (worker_lost); {resume}", fg="yellow", err=True)
+        sys.exit(4)
     for p in summary["points"]:
         if "failures" in p:
             check_failure_rate(p["failures"], max_failure_rate)

@@ -118,4 +118,44 @@ def test_a_node_lost_mid_sweep_has_its_points_retried_elsewhere(nodes, serial, t
         assert retried, "no point was running on the lost node"
         assert all("worker died" in p["errors"][0] for p in retried)
     finally:
-        nodes.add()  # (node 0 stays dead; the next tests get two live nodes again)
+        nodes.add()  # the next tests get two live nodes again
+
+
+def test_a_node_lost_mid_live_replay_loses_its_requests_and_resume_completes_the_run(nodes, tmp_path):
+    """`--workers 2 --executor ray` against the fake server, one load worker per node: the lost node's unanswered
+    requests are recorded `worker_lost`, and --resume sends them so the run holds each trace request once."""
+    from kvbench.live.fakeserver import FakeServer
+    from kvbench.trace.files import new_meta, write_trace
+
+    from .live.conftest import RunningServer
+    from .live.test_distributed import N, sessions_trace
+
+    trace = write_trace(sessions_trace(), tmp_path / "sessions.parquet", new_meta(4, {"kind": "test"}))
+    srv = RunningServer(FakeServer(block_size=16, itl_s=0.05))
+    cmd = [
+        KVBENCH, "replay", str(trace), "--backend", "openai", "--url", srv.url, "--mode", "trace", "--time-scale", "3",
+        "--workers", "2", "--executor", "ray", "--ray-address", nodes.address, "--no-report", "--out", "run",
+    ]  # fmt: skip
+    try:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while srv.server.received < 6 and time.monotonic() < deadline:  # both workers under way
+            time.sleep(0.02)
+        nodes.kill(0)
+        out, err = proc.communicate(timeout=300)
+        rows = pq.read_table(tmp_path / "run" / "requests.parquet").to_pylist()
+        lost = [r for r in rows if r["status"] == "worker_lost"]
+        assert len(rows) == N and lost, (out, err)
+        assert proc.returncode == 4 and "died" in err, (out, err)  # lost work is not success
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert [w["status"] for w in summary["workers"]].count("dead") == 1
+        answered = srv.server.received
+        nodes.add()
+        r = subprocess.run([*cmd, "--resume"], cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        rows = pq.read_table(tmp_path / "run" / "requests.parquet").to_pylist()
+        assert sorted(x["request_id"] for x in rows) == sorted(sessions_trace().column("request_id").to_pylist())
+        assert {x["status"] for x in rows} == {"ok"}
+        assert srv.server.received - answered >= len(lost)  # the lost ones were sent again
+    finally:
+        srv.stop()

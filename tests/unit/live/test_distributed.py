@@ -220,6 +220,8 @@ def test_cli_reports_a_dead_worker(tmp_path, monkeypatch):
     monkeypatch.setattr(kvbench.run.runner, "run_replay", lambda *a, **k: (tmp_path, summary))
     args = ["replay", "t.parquet", "--backend", "openai", "--url", "http://x", "--workers", "2", "--executor", "ray"]
     result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 4, result.output  # lost work is not success: --resume sends it
     assert "worker 1 on node-b died: killed; 3 requests of 2 sessions unfinished (s1, s4)" in result.output
+    assert "3 requests were not answered (worker_lost); resume with: kvbench " in result.output
+    assert result.output.rstrip().endswith("--resume")  # (the arguments are the test runner's here)
     assert "1 of 2 alive, schedule lag p99 at most 1.5 ms" in result.output
