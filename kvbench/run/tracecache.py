@@ -106,6 +106,7 @@ class TraceCache:
     def __init__(self, trace_path: Path, folder: Path, footer: str):
         self.trace_path, self.folder, self.footer = trace_path, folder, footer
         self.block_hashes_at = 0  # where block_hashes was among the trace's columns (`with_block_hashes`)
+        self.writable = True  # False once a part could not be stored: the others are not tried (nor noted)
 
     @classmethod
     def for_file(cls, trace_path, root: Path | None = None) -> TraceCache | None:
@@ -211,6 +212,8 @@ class TraceCache:
         puts this one in place of an older one (a prepared trace stored again with its next uses)."""
         final = self.folder / part
         tmp = None
+        if not self.writable:
+            return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{part}.", suffix=".tmp", dir=self.folder))
@@ -226,7 +229,10 @@ class TraceCache:
             _fsync(self.folder)
             tmp = None
         except OSError as exc:
-            if exc.errno not in _QUIET_ERRNOS and not final.is_dir():
+            if final.is_dir():  # another run stored it first
+                return
+            self.writable = False
+            if exc.errno not in _QUIET_ERRNOS:
                 _note(f"trace cache: could not store {final} ({exc.strerror or exc}); this run is not cached")
         finally:
             if tmp is not None:

@@ -156,6 +156,17 @@ def test_a_cache_that_cannot_be_written_means_no_caching(tenants_trace, tmp_path
     assert parts() == []
 
 
+def test_a_cache_folder_that_cannot_be_made_is_noted_once(tenants_trace, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(blocker / "cache"))
+    want = replay(tenants_trace, tmp_path / "uncached", trace_cache=False)
+    with pytest.warns(KvbenchWarning, match="trace cache: could not store .*; this run is not cached") as notes:
+        run_replay(tenants_trace, "sim", SIM, out=tmp_path / "unstorable", report=False)
+    assert len([n for n in notes if "trace cache" in str(n.message)]) == 1
+    assert results(tmp_path / "unstorable") == want
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
 def test_a_read_only_cache_folder_means_no_caching(tenants_trace, tmp_path):
     root = cache_root()
