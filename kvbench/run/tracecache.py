@@ -228,12 +228,13 @@ class TraceCache:
             tmp.rename(final)
             _fsync(self.folder)
             tmp = None
-        except OSError as exc:
-            if final.is_dir():  # another run stored it first
+        except (OSError, TypeError, ValueError, pa.ArrowException) as exc:  # (the run goes on without it)
+            if isinstance(exc, OSError) and final.is_dir():  # another run stored it first
                 return
             self.writable = False
-            if exc.errno not in _QUIET_ERRNOS:
-                _note(f"trace cache: could not store {final} ({exc.strerror or exc}); this run is not cached")
+            if getattr(exc, "errno", None) not in _QUIET_ERRNOS:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+                _note(f"trace cache: could not store {final} ({why}); this run is not cached")
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
