@@ -7,12 +7,16 @@ to join any other cluster; the controller takes commands on stdin:
     add        start one more worker node
     quit       shut the cluster down
 
-and answers each with one line. Run as `python tests/raycluster.py NODES`; the first line it prints is the
-cluster's address (for `--ray-address`).
+and answers each with one line. Run as `python tests/raycluster.py NODES`; the first line it prints is JSON:
+the cluster's address (for `--ray-address`), its job server's (`ray job submit --address`, null without Ray's
+dashboard extra) and its Ray Client address (`ray://…`, null without Ray's client extra).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +25,20 @@ from pathlib import Path
 def main(n_nodes: int) -> None:
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    head: dict = {"num_cpus": 0}
+    dashboard = client = None
+    if _importable("aiohttp_cors"):  # ray[default]: the dashboard, which serves `ray job submit`
+        port = _free_port()
+        head |= {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port}
+        dashboard = f"http://127.0.0.1:{port}"
+    if _importable("grpc"):  # ray[client]
+        port = _free_port()
+        head["ray_client_server_port"] = port
+        client = f"ray://127.0.0.1:{port}"
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
     nodes = [cluster.add_node(num_cpus=1) for _ in range(n_nodes)]
     cluster.wait_for_nodes()
-    print(cluster.address, flush=True)
+    print(json.dumps({"address": cluster.address, "dashboard": dashboard, "client": client}), flush=True)
     try:
         for line in sys.stdin:
             cmd = line.split()
@@ -41,6 +55,16 @@ def main(n_nodes: int) -> None:
         cluster.shutdown()
 
 
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ClusterProcess:
     """The controller, from a test: `address`, `kill(n)`, `add()`, `close()`."""
 
@@ -51,10 +75,12 @@ class ClusterProcess:
             stdout=subprocess.PIPE,
             text=True,
         )
-        self.address = self.proc.stdout.readline().strip()
-        if not self.address:
+        first = self.proc.stdout.readline().strip()
+        if not first:
             self.proc.wait(timeout=60)
             raise RuntimeError(f"the Ray test cluster did not start (exit status {self.proc.returncode})")
+        found = json.loads(first)
+        self.address, self.dashboard, self.client = found["address"], found["dashboard"], found["client"]
 
     def _command(self, text: str) -> str:
         self.proc.stdin.write(text + "\n")

@@ -230,9 +230,10 @@ Flags override the file's keys."""
 @click.option(
     "--ray-address",
     default="",
-    help="Ray cluster for --executor ray: empty = start a local one of --workers CPUs for this sweep; 'auto' "
-    "= the cluster this machine is a node of (ray start); 'host:6379' or 'ray://host:10001' = a remote one "
-    "(the traces and --out must then be on a filesystem every node mounts at the same path)",
+    help="Ray cluster for --executor ray: empty = the job's cluster under `ray job submit` (RAY_ADDRESS), else a "
+    "new local one of --workers CPUs for this sweep; 'auto' = the cluster this machine is a node of (ray start); "
+    "'host:6379' or 'ray://host:10001' = a remote one. No shared filesystem is needed: each trace goes to the "
+    "nodes through Ray's object store and each point's run directory comes back to --out here",
 )
 @click.option(
     "--ray-cpus-per-point",

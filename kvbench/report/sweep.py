@@ -16,7 +16,11 @@ ABSOLUTE = re.compile(r"(?<![\w.~:/])/(?:[\w.+-]+/)+([\w.+-]+)")
 
 def _shown(text: str, out_dir: Path) -> str:
     """Error text as the report shows it: this machine's folders replaced by relative or home-relative ones."""
-    for folder, short in ((out_dir.resolve(), "."), (Path.cwd(), "."), (Path.home(), "~")):
+    try:
+        here = [(Path.cwd(), ".")]
+    except FileNotFoundError:  # this process's folder is gone (a Ray job's driver once it joined the cluster)
+        here = []
+    for folder, short in ((out_dir.resolve(), "."), *here, (Path.home(), "~")):
         text = text.replace(str(folder) + os.sep, short + os.sep).replace(str(folder), short)
     return ABSOLUTE.sub(r"…/\1", text)  # any other absolute path: its last part only (URLs are left alone)
 

@@ -277,7 +277,8 @@ class RayPool(PointPool):
         if not ray.is_initialized():  # else: a caller (a test, a notebook) connected it already; use that
             import logging
 
-            address = settings.ray_address or "local"
+            # inside a Ray job (`ray job submit`) Ray names the cluster in RAY_ADDRESS: join it, as ray.init would
+            address = settings.ray_address or os.environ.get("RAY_ADDRESS") or "local"
             kwargs = {"num_cpus": settings.workers or os.cpu_count()} if address == "local" else {}
             try:
                 ray.init(

@@ -28,15 +28,14 @@ SHIPPED_DIR = "kvbench-traces"
 
 
 def share_traces(put, traces: list[str]) -> dict[str, tuple[Any, str]]:
-    """Each trace file's bytes into the object store (`put`: ray.put): path -> (reference, SHA-256)."""
-    out = {}
+    """Each trace file's bytes into the object store (`put`: ray.put): path -> (reference, SHA-256). All are read
+    before the first `put` joins the cluster: in a Ray job, joining it may take this process's folder away."""
+    data = {}
     for path in dict.fromkeys(traces):
-        p = Path(path)
-        if not p.is_file():
+        if not Path(path).is_file():
             raise KvbenchError(f"{path}: no such trace file (a sweep sends each trace file to its Ray workers)")
-        data = p.read_bytes()
-        out[path] = (put(data), hashlib.sha256(data).hexdigest())
-    return out
+        data[path] = Path(path).read_bytes()
+    return {path: (put(b), hashlib.sha256(b).hexdigest()) for path, b in data.items()}
 
 
 @dataclass(frozen=True)

@@ -249,8 +249,9 @@ def run_point(
 @dataclass(frozen=True)
 class PointTask:
     """Everything a worker needs to run one stage's points, picklable: the grid, the sweep folder, the live
-    URL, and the folder the sweep was started in, which relative trace and --out paths are relative to (on
-    a cluster, a folder every node mounts at the same path)."""
+    URL, and the folder the sweep was started in, which relative trace and --out paths are relative to (a
+    process pool's worker moves there; a Ray point gets its trace and returns its run directory through Ray,
+    kvbench.run.shipping)."""
 
     grid: Grid
     out_dir: str
@@ -266,10 +267,7 @@ class PointTask:
             here = None
         if here != self.cwd:
             if not os.path.isdir(self.cwd):
-                raise KvbenchError(
-                    f"{socket.gethostname()} has no folder {self.cwd}, where the sweep started: on a cluster, start "
-                    "kvbench sweep in a folder every node mounts at the same path, with --out and the traces on it"
-                )
+                raise KvbenchError(f"{socket.gethostname()} has no folder {self.cwd}, where the sweep started")
             os.chdir(self.cwd)
         url = self.url if is_live(point.backend) else None
         outcome = run_point(point, self.grid, Path(into or self.out_dir), url, self.command, trace_label)
@@ -277,15 +275,14 @@ class PointTask:
 
 
 def visible(out_dir: Path, point: Point, outcome: dict) -> dict:
-    """A point that ran on another node but whose run directory this machine cannot read has failed: the
-    index and any rerun need it here."""
+    """A point reported done whose run directory this machine cannot read has failed: the index and any rerun
+    need it here."""
     if outcome["status"] != "ok" or finished(out_dir / point.name, point) is not None:
         return outcome
     return {
         **outcome,
         "status": "failed",
-        "error": f"ran on {outcome.get('host')}, but {out_dir / point.name}/summary.json is not complete here: "
-        "put --out on a filesystem every node shares",
+        "error": f"ran on {outcome.get('host')}, but {out_dir / point.name}/summary.json is not complete here",
     }
 
 
@@ -350,6 +347,7 @@ def run_sweep(
     settings = executor if isinstance(executor, ExecutorSettings) else ExecutorSettings(executor)
     settings.check()
     points = expand(grid)
+    out_dir = out_dir.absolute()  # (a Ray job's driver may lose its folder when it joins the cluster)
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = {p.name: {"name": p.name, **p.values(), "dir": p.name, "status": "pending"} for p in points}
     manifest = {
@@ -379,9 +377,10 @@ def run_sweep(
     try:
         with open_pool(settings, say) as pool:
             shipped = None  # with Ray: the traces, sent to the workers once (kvbench.run.shipping)
+            start_dir = os.getcwd()  # (now: joining a Ray job's cluster may move this process elsewhere)
 
             def task_for(url):
-                task = PointTask(grid, str(out_dir), url, command, os.getcwd())
+                task = PointTask(grid, str(out_dir), url, command, start_dir)
                 return task if shipped is None else ShippedTask(task, shipped)
 
             def received(p, outcome):

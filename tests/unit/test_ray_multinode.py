@@ -159,3 +159,32 @@ def test_a_node_lost_mid_live_replay_loses_its_requests_and_resume_completes_the
         assert srv.server.received - answered >= len(lost)  # the lost ones were sent again
     finally:
         srv.stop()
+
+
+def test_a_ray_client_driver_runs_the_sweep(nodes, serial, tmp_path):
+    """`--ray-address ray://host:port`: the driver is a Ray Client, on no node of the cluster."""
+    if nodes.client is None:
+        pytest.skip("Ray's client extra is not installed (pip install 'ray[client]')")
+    shutil.copy(TRACE, tmp_path / "trace.parquet")
+    r = subprocess.run(_sweep_cmd(nodes.client), cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    _same_points(tmp_path / "sweep", serial)
+
+
+def test_the_sweep_runs_as_a_ray_job(nodes, serial, tmp_path):
+    """The README's recipe: `ray job submit` with the trace in the job's working directory and an absolute --out
+    on the head node; the job joins its own cluster (RAY_ADDRESS) without --ray-address."""
+    if nodes.dashboard is None:
+        pytest.skip("Ray's default extra (its dashboard, which runs jobs) is not installed: pip install 'ray[default]'")
+    job = tmp_path / "job"
+    job.mkdir()
+    shutil.copy(TRACE, job / "trace.parquet")
+    out = tmp_path / "results"
+    cmd = [
+        shutil.which("ray") or "ray", "job", "submit", "--address", nodes.dashboard, "--working-dir", str(job),
+        "--", "kvbench", "sweep", "--trace", "trace.parquet", "--capacity", CAPACITIES, "--executor", "ray",
+        "--out", str(out),
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _same_points(out, serial)
