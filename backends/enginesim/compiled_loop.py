@@ -466,22 +466,18 @@ def run_cluster(sl, pc, born, hk, hv, keys, held, hoff, scratch, ev, matrix, rq,
         else:
             break
     return (
-        _array_f8(life), _array_i8(life_of), _array_f8(sample_t), _array_i8(sample_used), _array_i8(sample_running),
-        _array_i8(sample_waiting),
-    )  # fmt: skip
+        _to_array(life, np.empty(len(life))),
+        _to_array(life_of, np.empty(len(life_of), np.int64)),
+        _to_array(sample_t, np.empty(len(sample_t))),
+        _to_array(sample_used, np.empty(len(sample_used), np.int64)),
+        _to_array(sample_running, np.empty(len(sample_running), np.int64)),
+        _to_array(sample_waiting, np.empty(len(sample_waiting), np.int64)),
+    )
 
 
 @kernel_fn()
-def _array_f8(values):
-    out = np.empty(len(values), np.float64)
-    for j in range(len(values)):
-        out[j] = values[j]
-    return out
-
-
-@kernel_fn()
-def _array_i8(values):
-    out = np.empty(len(values), np.int64)
+def _to_array(values, out):
+    """A typed list's values in `out` (numba has no np.array of a typed list)."""
     for j in range(len(values)):
         out[j] = values[j]
     return out
