@@ -47,6 +47,8 @@ BS, MAX_SEQS, MAX_BATCHED, PREEMPT_MODE, PROTECT_AFTER, ROUTER, FAST_FORWARD = r
 CFG_FIELDS = 7
 RECOMPUTE, SWAP, PROTECT = 0, 1, 2  # PREEMPT_MODE
 ROUND_ROBIN, LEAST_LOADED, CACHE_AWARE, FIXED = 0, 1, 2, 3  # ROUTER (FIXED: a route per request, given)
+ROUTER_CODES = {"round-robin": ROUND_ROBIN, "least-loaded": LEAST_LOADED, "cache-aware": CACHE_AWARE,
+                "prefix-affinity": FIXED}  # fmt: skip
 
 
 @kernel_fn()

@@ -11,14 +11,15 @@ import os
 
 import numpy as np
 from kvbench.backends.enginesim import cluster
+from kvbench.backends.enginesim import compiled_loop as L
+from kvbench.backends.enginesim import compiled_pool as P
 from kvbench.backends.enginesim.engine import MAX_FAST_FORWARD, Instance, Req
 from kvbench.backends.enginesim.roofline import LatencyModel
 
 from kvbench.cache.compiled import start_background_build
 from kvbench.cache.policies.vllm import VllmPool
-from kvbench.cache.tiers import TierStack
+from kvbench.cache.tiers import Tier, TierStack
 
-ROUTER_CODES = {"round-robin": 0, "least-loaded": 1, "cache-aware": 2, "prefix-affinity": 3}  # compiled_loop.ROUTER
 # KVBENCH_ENGINE_LOOP=python: always the Python loop (to compare, or to rule the compiled one out); =compiled: the
 # compiled one wherever it applies, compiled now if need be; unset: as `applies` says
 SWITCH = "KVBENCH_ENGINE_LOOP"
@@ -32,11 +33,9 @@ def applies(settings: dict, pol, scenarios, latency, router: str, tiers: TierSta
     and it is built, or the replay is long enough to be worth compiling it now."""
     if not _covers(settings, pol, scenarios, latency, router, tiers) or os.environ.get(SWITCH) == "python":
         return False
-    from kvbench.backends.enginesim.compiled_loop import run_cluster
-
-    if run_cluster.aot_ready() or os.environ.get(SWITCH) == "compiled" or n_requests >= JIT_WORTH_REQUESTS:
+    if L.run_cluster.aot_ready() or os.environ.get(SWITCH) == "compiled" or n_requests >= JIT_WORTH_REQUESTS:
         return True
-    start_background_build(run_cluster.unit)
+    start_background_build(L.run_cluster.unit)
     return False
 
 
@@ -48,14 +47,12 @@ def _covers(settings: dict, pol, scenarios, latency, router: str, tiers: TierSta
         and not settings["closed_loop"]
         and not settings["max_concurrency"]
         and type(latency) is LatencyModel
-        and router in ROUTER_CODES
+        and router in L.ROUTER_CODES
         and cluster.ROUTERS[router] is cluster.BUILTIN_ROUTERS.get(router)  # (not replaced by a plugin's)
     )
 
 
 def _latency_constants(latency: LatencyModel, kv_bytes_block: float, pcie_bw: float) -> np.ndarray:
-    from kvbench.backends.enginesim import compiled_loop as L
-
     lat = np.zeros(L.LAT_FIELDS)
     cal, terms = latency.calibration, latency.step_terms()
     values = {
@@ -91,9 +88,6 @@ def _latency_constants(latency: LatencyModel, kv_bytes_block: float, pcie_bw: fl
 def run(prep, trace, n_instances: int, pool_blocks: int, sched, latency: LatencyModel, router: str, pcie_bw: float):
     """Replay `prep` on `n_instances` instances; returns (reqs, instances, timeline, evictions, evict_matrix) in
     the form cluster.simulate and the pools leave them."""
-    from kvbench.backends.enginesim import compiled_loop as L
-    from kvbench.backends.enginesim import compiled_pool as P
-
     n, bs = prep.n_requests, prep.block_size
     n_in = prep.input_tokens.astype(np.int64)
     n_out = np.maximum(trace.column("output_tokens").to_numpy(), 1).astype(np.int64)
@@ -143,7 +137,7 @@ def run(prep, trace, n_instances: int, pool_blocks: int, sched, latency: Latency
     mode = {"recompute": L.RECOMPUTE, "swap": L.SWAP, "protect-after": L.PROTECT}[sched.preemption]
     cfg = np.zeros(L.CFG_FIELDS, np.int64)
     cfg[[L.BS, L.MAX_SEQS, L.MAX_BATCHED, L.PREEMPT_MODE, L.PROTECT_AFTER, L.ROUTER, L.FAST_FORWARD]] = (
-        bs, seqs, sched.max_num_batched_tokens, mode, sched.protect_after, ROUTER_CODES[router], MAX_FAST_FORWARD
+        bs, seqs, sched.max_num_batched_tokens, mode, sched.protect_after, L.ROUTER_CODES[router], MAX_FAST_FORWARD
     )  # fmt: skip
     span = float(arrival.max() - arrival.min()) if n else 0.0
     sample_every = max(span, 1e-3) / cluster.TIMELINE_POINTS
@@ -173,10 +167,6 @@ class _Keys:
 
 
 def _instances(ins, insf, pool, lifetimes, lifetime_of, latency, pool_blocks, bs, sched, pcie_bw):
-    from kvbench.backends.enginesim import compiled_loop as L
-
-    from kvbench.cache.tiers import Tier
-
     born, hk, hv = pool[2:5]
     out = []
     for i in range(ins.shape[0]):
@@ -197,8 +187,6 @@ def _instances(ins, insf, pool, lifetimes, lifetime_of, latency, pool_blocks, bs
 
 
 def _requests(rq, rqf, arrival, prep, instances) -> list[Req]:
-    from kvbench.backends.enginesim import compiled_loop as L
-
     cols = {name: rq[f].tolist() for name, f in (("instance", L.INSTANCE), ("hit", L.HIT), ("gen", L.GEN))}
     recomputed, rejected = rq[L.RECOMP].tolist(), rq[L.REJECTED].tolist()
     start, first, finish = (rqf[f].tolist() for f in (L.START, L.FIRST, L.FINISH))
@@ -210,7 +198,7 @@ def _requests(rq, rqf, arrival, prep, instances) -> list[Req]:
                   None if hit < 0 else {"hbm": hit}, generated=cols["gen"][r], recomputed=recomputed[r],
                   instance=cols["instance"][r])  # fmt: skip
         if rejected[r]:
-            req.rejected_for = instances[req.instance]._rejection(req)
+            req.rejected_for = instances[req.instance].rejection(req)
         reqs.append(req)
     return reqs
 

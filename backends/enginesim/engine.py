@@ -155,7 +155,7 @@ class Instance:
         need = self.blocks_for((req.context if req.swapped else 0) + req.n_in + req.generated + 1)
         return need <= self._room()
 
-    def _rejection(self, req: Req) -> str:
+    def rejection(self, req: Req) -> str:
         """What did not fit the empty pool: a request that was preempted after generating had a prompt that
         fitted, so its output is to blame, not its prompt."""
         pool = f"the instance's KV pool ({self.pool} blocks of {self.bs} tokens)"
@@ -287,7 +287,7 @@ class Instance:
                 if any(sc.make_room(self) for sc in self.scenarios):
                     continue  # nothing runs: a scenario gives back KV it kept (a retained task's) and it is tried again
                 self.rejected.append(self.dequeue())
-                req.rejected_for = self._rejection(req)
+                req.rejected_for = self.rejection(req)
                 continue
             self.dequeue()
             extra_s += self._admit(req, now)
