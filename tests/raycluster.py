@@ -25,7 +25,8 @@ from pathlib import Path
 def main(n_nodes: int) -> None:
     from ray.cluster_utils import Cluster
 
-    head: dict = {"num_cpus": 0}
+    store = {"object_store_memory": 128 * 2**20}  # small (the tests move small traces): three nodes fit any /dev/shm
+    head: dict = {"num_cpus": 0, **store}
     dashboard = client = None
     if _importable("aiohttp_cors"):  # ray[default]: the dashboard, which serves `ray job submit`
         port = _free_port()
@@ -36,7 +37,7 @@ def main(n_nodes: int) -> None:
         head["ray_client_server_port"] = port
         client = f"ray://127.0.0.1:{port}"
     cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(n_nodes)]
+    nodes = [cluster.add_node(num_cpus=1, **store) for _ in range(n_nodes)]
     cluster.wait_for_nodes()
     print(json.dumps({"address": cluster.address, "dashboard": dashboard, "client": client}), flush=True)
     try:
@@ -46,7 +47,7 @@ def main(n_nodes: int) -> None:
                 cluster.remove_node(nodes.pop(int(cmd[1])), allow_graceful=False)
                 print("killed", flush=True)
             elif cmd[:1] == ["add"]:
-                nodes.append(cluster.add_node(num_cpus=1))
+                nodes.append(cluster.add_node(num_cpus=1, **store))
                 cluster.wait_for_nodes()
                 print("added", flush=True)
             elif cmd[:1] == ["quit"]:
