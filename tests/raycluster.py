@@ -4,6 +4,8 @@
 to join any other cluster; the controller takes commands on stdin:
 
     kill N     remove the Nth live worker node (its raylet and workers die, as when a machine is lost)
+    kill busy  remove a worker node that runs a task now (waits up to 60 s for one; needs the dashboard's
+               state API, else the first live node)
     add        start one more worker node
     quit       shut the cluster down
 
@@ -14,11 +16,15 @@ dashboard extra) and its Ray Client address (`ray://…`, null without Ray's cli
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -44,7 +50,15 @@ def main(n_nodes: int) -> None:
         for line in sys.stdin:
             cmd = line.split()
             if cmd[:1] == ["kill"]:
-                cluster.remove_node(nodes.pop(int(cmd[1])), allow_graceful=False)
+                n = _busy_node(nodes, dashboard) if cmd[1] == "busy" else int(cmd[1])
+                node = nodes.pop(n)
+                # a lost machine takes its running tasks with it: the raylet's worker processes too (left alone,
+                # a busy worker may finish its task and hand the result to the driver after its node died)
+                workers = [p for info in node.all_processes.get("raylet", ()) for p in _descendants(info.process.pid)]
+                cluster.remove_node(node, allow_graceful=False)
+                for pid in workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 print("killed", flush=True)
             elif cmd[:1] == ["add"]:
                 nodes.append(cluster.add_node(num_cpus=1, **store))
@@ -54,6 +68,39 @@ def main(n_nodes: int) -> None:
                 break
     finally:
         cluster.shutdown()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # (ended meanwhile)
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _busy_node(nodes: list, dashboard: str | None) -> int:
+    """The index of a live worker node with a running task (the first node without the state API)."""
+    if dashboard is None:
+        return 0
+    from ray.util.state import list_tasks
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        running = {t.node_id for t in list_tasks(address=dashboard, filters=[("state", "=", "RUNNING")])}
+        for i, node in enumerate(nodes):
+            if node.node_id in running:
+                return i
+        time.sleep(0.05)
+    return 0
 
 
 def _importable(name: str) -> bool:
@@ -88,7 +135,8 @@ class ClusterProcess:
         self.proc.stdin.flush()
         return self.proc.stdout.readline().strip()
 
-    def kill(self, n: int) -> None:
+    def kill(self, n: int | str) -> None:
+        """Remove the nth live worker node, or with "busy" one that runs a task now."""
         assert self._command(f"kill {n}") == "killed"
 
     def add(self) -> None:
