@@ -155,7 +155,10 @@ def ray_cluster():
         # Ray puts the driver's folder on its workers' path: from the repository root they import test modules
         # (tests/unit/test_sweep_executors.py sends a task class of its own)
         mp.chdir(REPO)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        # "local": a cluster of its own, never one that already runs on this machine (ray.init() would join it)
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
+        )
     try:
         yield ray
     finally:

@@ -287,10 +287,13 @@ def _ray():
 
 def _init_ray(ray, address: str, workers: int) -> None:
     try:
+        address = address or os.environ.get("RAY_ADDRESS")  # (set by Ray for a `ray job submit` driver)
         if address:
             ray.init(address=address, logging_level=logging.WARNING)
-        else:  # a local cluster with a CPU for each worker, however few cores this machine has
-            ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, logging_level=logging.WARNING)
+        else:  # a new local cluster with a CPU for each worker, however few cores this machine has ("local": not
+            # whatever cluster already runs on this machine, which ray.init() would join)
+            cpus = max(os.cpu_count() or 1, workers)
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise KvbenchError(f"cannot connect to the Ray cluster {address or '(local)'}: {exc}") from None
 
