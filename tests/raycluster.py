@@ -36,7 +36,10 @@ def main(n_nodes: int) -> None:
     dashboard = client = None
     if _importable("aiohttp_cors"):  # ray[default]: the dashboard, which serves `ray job submit`
         port = _free_port()
-        head |= {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port}
+        head |= {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port,
+                 # (its own agent port: another Ray on this machine, e.g. the tests' session cluster, holds Ray's
+                 # default one, and the job server then has no agent to run jobs)
+                 "dashboard_agent_listen_port": _free_port()}  # fmt: skip
         dashboard = f"http://127.0.0.1:{port}"
     if _importable("grpc"):  # ray[client]
         port = _free_port()

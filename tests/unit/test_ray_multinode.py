@@ -185,6 +185,11 @@ def test_the_sweep_runs_as_a_ray_job(nodes, serial, tmp_path):
         "--", "kvbench", "sweep", "--trace", "trace.parquet", "--capacity", CAPACITIES, "--executor", "ray",
         "--out", str(out),
     ]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    deadline = time.monotonic() + 120
+    while True:  # the head's job agent registers a little after the cluster is up
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if "No available agent to submit job" not in r.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _same_points(out, serial)
