@@ -334,6 +334,20 @@ def _plan(S, rq, rqf, ins, insf, running, pieces_r, pieces_t, dec, lat, cfg, i, 
 
 
 @kernel_fn()
+def _sampled(rq, rqf, r, tokens, t, done, n_done):
+    """Request r sampled `tokens` tokens by time t (Instance._token); a finished one joins `done`. Returns how
+    many `done` holds."""
+    rq[GEN, r] += tokens
+    if rqf[FIRST, r] < 0:
+        rqf[FIRST, r] = t
+    if rq[GEN, r] >= rq[NOUT, r]:
+        rqf[FINISH, r] = t
+        done[n_done] = r
+        n_done += 1
+    return n_done
+
+
+@kernel_fn()
 def _finish_step(S, rq, rqf, ins, insf, running, pieces_r, pieces_t, dec, cfg, i, t, steps, done):
     """Instance.finish_step: apply the iteration (or `steps` identical decodes) that ended at t."""
     sl, pc, born, hk, hv, keys, held, hoff, scratch, ev, matrix, life, life_of = S
@@ -345,13 +359,7 @@ def _finish_step(S, rq, rqf, ins, insf, running, pieces_r, pieces_t, dec, cfg, i
         rq[TODO, r] -= take
         rq[CONTEXT, r] += take
         if rq[TODO, r] == 0:  # the iteration that completes the prefill samples a token
-            rq[GEN, r] += 1
-            if rqf[FIRST, r] < 0:
-                rqf[FIRST, r] = t
-            if rq[GEN, r] >= rq[NOUT, r]:
-                rqf[FINISH, r] = t
-                done[n_done] = r
-                n_done += 1
+            n_done = _sampled(rq, rqf, r, 1, t, done, n_done)
     n_dec = ins[i, NDEC]
     if steps > 1:  # the first step's block was taken when it was planned
         for j in range(n_dec):
@@ -360,13 +368,7 @@ def _finish_step(S, rq, rqf, ins, insf, running, pieces_r, pieces_t, dec, cfg, i
     for j in range(n_dec):
         r = dec[i, j]
         rq[CONTEXT, r] += steps
-        rq[GEN, r] += steps
-        if rqf[FIRST, r] < 0:
-            rqf[FIRST, r] = t
-        if rq[GEN, r] >= rq[NOUT, r]:
-            rqf[FINISH, r] = t
-            done[n_done] = r
-            n_done += 1
+        n_done = _sampled(rq, rqf, r, steps, t, done, n_done)
     for j in range(n_done):
         r = done[j]
         k = 0  # running.remove(r)
