@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 # multi-node cluster that tests/integration exercises (nodes of 1 CPU, a head that runs no task).
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
-from raycluster import ClusterProcess  # noqa: E402
+from raycluster import ClusterProcess, free_port  # noqa: E402
 
 from benchmarks.client_overhead import make_trace, summarize  # noqa: E402  same trace shape and same figures
 
@@ -114,12 +113,6 @@ def sweep(args, executor: list[str], out: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- load
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServerProcess:

@@ -35,14 +35,14 @@ def main(n_nodes: int) -> None:
     head: dict = {"num_cpus": 0, **store}
     dashboard = client = None
     if _importable("aiohttp_cors"):  # ray[default]: the dashboard, which serves `ray job submit`
-        port = _free_port()
+        port = free_port()
         head |= {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port,
                  # (its own agent port: another Ray on this machine, e.g. the tests' session cluster, holds Ray's
                  # default one, and the job server then has no agent to run jobs)
-                 "dashboard_agent_listen_port": _free_port()}  # fmt: skip
+                 "dashboard_agent_listen_port": free_port()}  # fmt: skip
         dashboard = f"http://127.0.0.1:{port}"
     if _importable("grpc"):  # ray[client]
-        port = _free_port()
+        port = free_port()
         head["ray_client_server_port"] = port
         client = f"ray://127.0.0.1:{port}"
     cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
@@ -110,7 +110,8 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (also for benchmarks/ray_nodes.py, which imports this module)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

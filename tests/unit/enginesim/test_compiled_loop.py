@@ -1,7 +1,10 @@
 """engine-sim's compiled loop (compiled_loop.py) gives the Python loop's results bit for bit: every per-request
 column and every summary fact, over routers, preemption modes, pools small enough to evict, preempt and reject,
 a calibrated step model and a mixture-of-experts roofline; the cases it does not cover run the Python loop; its
-AOT module builds and runs."""
+AOT module builds and runs.
+
+This is an equivalence check between kvbench's two loops, not a check of truth: engine-sim against the live vLLM
+engine is benchmarks/fidelity.py and tests/integration/test_live_vllm.py (cached tokens per request, latency errors)."""
 
 from __future__ import annotations
 
