@@ -352,11 +352,16 @@ def _short(exc: BaseException) -> str:
 
 def _merged_extra(finals: list[dict]) -> dict | None:
     """One backend `extra()` for the run: server counters from the earliest scrape before the start and the
-    latest after the end (each worker scraped around its own part); model and the rest from worker 0."""
+    latest after the end (each worker scraped around its own part); model and the rest from worker 0.
+
+    Which scrape comes first or last is told from the times that bound them: a worker's before-scrape ends
+    before `connected_at_s`, and its after-scrape starts after `sent_until_s`. The worker that stopped sending
+    last scraped after every other worker's last answer; the time its scrape *ended* would not tell that
+    (a slow scrape that started early can end last and miss another worker's last request)."""
     if not finals:
         return {}
     first = min(finals, key=lambda f: f["connected_at_s"])
-    last = max(finals, key=lambda f: f["finished_at_s"])
+    last = max(finals, key=lambda f: f["sent_until_s"])
     extra = dict(finals[0]["extra"])
     if "server" in extra:
         extra["server"] = {

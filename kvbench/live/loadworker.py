@@ -88,11 +88,14 @@ class LoadWorker:
                 except asyncio.CancelledError:
                     if not self.stopping:
                         raise
+            # taken before the backend's closing /metrics scrape starts, so that the driver can pick the scrape
+            # that follows every worker's last answer (a worker that finishes later scrapes later)
+            sent_until = now()
         return {
             "rest": self._undelivered(everything=True),
             "extra": self.backend.extra(),
             "connected_at_s": connected_at,
-            "finished_at_s": now(),
+            "sent_until_s": sent_until,
         }
 
     async def take(self) -> list[Outcome]:

@@ -87,6 +87,24 @@ def test_sharding_keeps_linked_sessions_together_and_balances_requests():
     assert all(owner[sessions[r] or ids[r]] == s.worker for s in shards for r in s.rows)  # no session split
 
 
+def test_run_counters_come_from_the_scrapes_that_bound_every_worker():
+    """The after-scrape is the one of the worker that stopped sending last, even when another worker's slower
+    scrape ended later (that one could have missed the last worker's last answer)."""
+
+    def final(connected, sent_until, before, after):
+        return {
+            "connected_at_s": connected,
+            "sent_until_s": sent_until,
+            "extra": {"server": {"counters_before": {"prompt_tokens": before}, "counters_after": {"prompt_tokens": after}}},
+        }
+
+    early_slow = final(-0.2, 10.00, 100.0, 900.0)  # stopped first, but its scrape took long
+    late_fast = final(-0.1, 10.02, 150.0, 1000.0)  # its last answer came after the other's scrape began
+    server = distributed._merged_extra([early_slow, late_fast])["server"]
+    assert server["counters_before"] == {"prompt_tokens": 100.0}  # the scrape that ended first: before any send
+    assert server["counters_after"] == {"prompt_tokens": 1000.0}
+
+
 def test_workers_need_a_live_backend_and_ray(tmp_path, trace):
     with pytest.raises(KvbenchError, match="live backend"):
         run_replay(trace, "sim", {"policy": "lru", "capacity": "100"}, out=tmp_path / "sim", workers=2)
