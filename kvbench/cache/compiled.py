@@ -180,10 +180,25 @@ def module_name(unit: str = _PKG) -> str:
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
-    for part in (_dist_version("numba"), _dist_version("numpy"), sys.version, sysconfig.get_platform()):
+    for part in (_dist_version("numba"), _dist_version("numpy"), sys.version, sysconfig.get_platform(), _host_cpu()):
         h.update(part.encode())
     prefix = "kvbench" if unit == _PKG else unit.replace(".", "_")
     return f"{prefix}_kernels_{h.hexdigest()[:16]}"
+
+
+def _host_cpu() -> str:
+    """What the AOT module is built for (it targets the host CPU, as the JIT does: generic x86-64 code ran the
+    lru kernel ~1.4x slower here). A home folder shared by machines of different CPUs (a Ray cluster on NFS)
+    then holds one module per CPU, never one that would stop on an instruction this CPU lacks. Read from
+    /proc/cpuinfo, not LLVM, which would cost its import at every start."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read(1 << 16).split("\n\n", 1)[0]  # the first processor's block
+        return "\n".join(line for line in first.splitlines() if line.startswith(("vendor_id", "model name", "flags")))
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
 
 
 def _ext_path(name: str) -> Path:
@@ -301,6 +316,7 @@ def _compile(unit: str, name: str, target: Path) -> None:
 
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
             cc = CC(name)
+            cc.target_cpu = "host"  # see _host_cpu
             cc.output_dir = tmp
             cc.verbose = False
             for k in _registry.values():

@@ -7,163 +7,167 @@ import numpy as np
 from kvbench.cache.compiled import SIM_OUT, i4, i8, kernel_fn
 from kvbench.cache.policies import FILLED_AT, FIRST_REQUEST, SIZE, STARTED, TAIL, Carry, SimOutput
 
-_NIL = np.int32(-1)
+_NIL = np.uint32(0xFFFFFFFF)  # no slot (a `head` entry of a key not cached; a held slot's prev)
+_ANON = np.uint32(0xFFFFFFFF)  # slot key: hashed with generated tokens, which no trace request can ask for
+_EMPTY = np.uint32(0xFFFFFFFE)  # slot key: holds no hash (never used yet, or a partly filled block)
 _SLOTS_MADE = TAIL  # state field (this policy has no other use for it): slots handed out at least once so far
 
 
 @kernel_fn(
-    SIM_OUT + "(i4[::1], i8[::1], i4[::1], i8[::1], i8[::1], i8, i4[::1], i8, i8, i4[::1], i4[::1], i4[::1], "
-    "i4[::1], i4[::1], i4[::1], i4[::1], i8[:])"
+    SIM_OUT + "(u4[::1], i8[::1], i4[::1], i8[::1], i8[::1], i8, i4[::1], i8, i8, u4[::1], u4[::1], i4[::1], "
+    "u4[::1], i8[:])"
 )
-def _vllm(
-    keys,
-    offsets,
-    max_hit,
-    input_tokens,
-    kv_tokens,
-    block_size,
-    tenant,
-    n_tenants,
-    capacity,
-    head,
-    nxt,
-    prv,
-    slot_key,
-    copy_next,
-    owner,
-    taken,
-    state,
-):
+def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n_tenants, capacity, head, node,
+          owner, taken, state):  # fmt: skip
     """The free queue is a circular doubly linked list over slot ids: node 0 (vLLM's null block) is its sentinel
-    (nxt[0] = head, prv[0] = tail), node 1 the mark that stands for the slots never handed out (they come after
-    anything put at the head, before anything appended); real slots are 2, 3, ... as made. prv[s] = -1 while
-    slot s is held. `slot_key[s]`: the key it holds, -1 anonymous-hashed, -2 unhashed. `head[k]`: the oldest
-    slot holding key k (-1: not cached); `copy_next[s]`: the next copy of the same key. `owner[s]`: tenant
-    whose request first cached the key. `taken`: the running request's slots, in block order. The slot arrays
-    hold `nxt.size` nodes: the kernel stops before a request that could need more and the caller grows them;
+    (its next is the head, its prev the tail), node 1 the mark that stands for the slots never handed out (they
+    come after anything put at the head, before anything appended); real slots are 2, 3, ... as made.
+
+    Slot s is the record node[4s:4s+4]: prev and next in the free queue (prev = _NIL while held), the key it
+    holds (or _ANON / _EMPTY), and the next copy of that key. One record per slot keeps a slot's fields in
+    one cache line, and unsigned indices spare numba's negative-index fix-ups (as in `lru`). `head[k]`: the
+    oldest slot holding key k (_NIL: not cached). `owner[s]`: the tenant whose request first cached the key
+    (kept with several tenants only). `taken`: the running request's slots, in block order. The records hold
+    `node.size // 4` slots: the kernel stops before a request that could need more and the caller grows them;
     `state` (STATE_FIELDS) carries the pool across calls, so a trace can also be fed in chunks."""
     n = offsets.size - 1
-    room = nxt.size
+    room = np.int64(node.size // 4)
+    u1, u2, u3, four = np.uint64(1), np.uint64(2), np.uint64(3), np.uint64(4)
+    z = np.uint64(0)
     if state[STARTED] == 0:
         head[:] = _NIL
-        nxt[0], prv[0], nxt[1], prv[1] = 1, 1, 0, 0
+        node[0], node[1], node[4], node[5] = 1, 1, 0, 0
         state[STARTED], state[FILLED_AT], state[_SLOTS_MADE] = 1, -1, 0
     made = state[_SLOTS_MADE]
-    size = state[SIZE]  # keys cached
+    size = state[SIZE]
     filled_at = state[FILLED_AT]
     base = state[FIRST_REQUEST]
     slots = capacity - 1
-    n_free = slots - made  # the never-used ones
-    c = nxt[0]
-    while c != 0:
-        if c != 1:
+    n_free = slots - made
+    c = np.uint64(node[1])
+    while c != z:
+        if c != u1:
             n_free += 1
-        c = nxt[c]
-    if made == slots and prv[1] != _NIL:  # no slot left to make: the mark leaves the queue
-        nxt[prv[1]] = nxt[1]
-        prv[nxt[1]] = prv[1]
-        prv[1] = _NIL
+        c = np.uint64(node[four * c + u1])
+    if made == slots and node[4] != _NIL:  # the mark leaves the queue
+        p, q = np.uint64(node[4]), np.uint64(node[5])
+        node[four * p + u1] = np.uint32(q)
+        node[four * q] = np.uint32(p)
+        node[4] = _NIL
     multi = n_tenants > 1
     hit_blocks = np.zeros(n, np.int32)
     evictions = np.zeros(n, np.int32)
     matrix = np.zeros((n_tenants, n_tenants), np.int64)
     total_evictions = 0
     done = n
+    bs = block_size
     for r in range(n):
         lo, hi = offsets[r], offsets[r + 1]
-        need = (kv_tokens[r] + block_size - 1) // block_size
+        need = (kv_tokens[r] + bs - 1) // bs
         if made < slots and made + 2 + min(need, slots - made) > room:
-            done = r  # the slot arrays could overflow: the caller grows them and calls again from here
+            done = r
             break
-        full = min(hi - lo, input_tokens[r] // block_size)
+        full = min(hi - lo, input_tokens[r] // bs)
         t = tenant[r]
         h = 0
-        while h < max_hit[r] and head[keys[lo + h]] != _NIL:
+        mh = max_hit[r]
+        n_taken = 0
+        while h < mh:
+            s = np.uint64(head[np.uint64(keys[lo + h])])
+            if s == np.uint64(_NIL):
+                break
+            b = four * s
+            p = node[b]
+            if p != _NIL:  # free: take it off the queue
+                q = node[b + u1]
+                node[four * np.uint64(p) + u1] = q
+                node[four * np.uint64(q)] = p
+                node[b] = _NIL
+                n_free -= 1
+            taken[n_taken] = np.uint32(s)
+            n_taken += 1
             h += 1
         hit_blocks[r] = h
-        n_taken = 0
-        for j in range(h):  # hold the oldest copy of each hit block
-            s = head[keys[lo + j]]
-            if prv[s] != _NIL:
-                nxt[prv[s]] = nxt[s]
-                prv[nxt[s]] = prv[s]
-                prv[s] = _NIL
-                n_free -= 1
-            taken[n_taken] = s
-            n_taken += 1
-        hashed = kv_tokens[r] // block_size
+        hashed = kv_tokens[r] // bs
         ev = 0
         while n_taken < need and n_free > 0:
-            s = nxt[0]  # the head of the free queue
-            if s == 1:  # the mark: make a new slot, behind whatever was put at the head
+            s = np.uint64(node[1])  # head of the free queue
+            if s == u1:  # the mark: make a new slot
                 made += 1
-                s = made + 1
-                copy_next[s] = _NIL
-                slot_key[s] = -2
-                if made == slots:  # the last one: the mark leaves the queue
-                    nxt[0] = nxt[1]
-                    prv[nxt[1]] = 0
-                    prv[1] = _NIL
+                s = np.uint64(made + 1)
+                b = four * s
+                node[b + u3] = _NIL
+                node[b + u2] = _EMPTY
+                if made == slots:
+                    q = np.uint64(node[5])
+                    node[1] = np.uint32(q)
+                    node[four * q] = 0
+                    node[4] = _NIL
             else:
-                nxt[0] = nxt[s]
-                prv[nxt[s]] = 0
-            prv[s] = _NIL
+                b = four * s
+                q = np.uint64(node[b + u1])
+                node[1] = np.uint32(q)
+                node[four * q] = 0
+            node[b] = _NIL
             n_free -= 1
-            old = slot_key[s]
-            if old >= 0:  # evict this copy; the key stays cached while another copy exists
-                if head[old] == s:
-                    head[old] = copy_next[s]
+            old = node[b + u2]
+            if old < _EMPTY:  # a trace key: evict this copy
+                ko = np.uint64(old)
+                if np.uint64(head[ko]) == s:
+                    head[ko] = node[b + u3]
                 else:
-                    c = head[old]
-                    while copy_next[c] != s:
-                        c = copy_next[c]
-                    copy_next[c] = copy_next[s]
-                if head[old] == _NIL:
+                    c = np.uint64(head[ko])
+                    while np.uint64(node[four * c + u3]) != s:
+                        c = np.uint64(node[four * c + u3])
+                    node[four * c + u3] = node[b + u3]
+                if head[ko] == _NIL:
                     size -= 1
                     ev += 1
                     if multi:
                         matrix[t, owner[s]] += 1
-            slot_key[s] = -2
-            copy_next[s] = _NIL
+            node[b + u2] = _EMPTY
+            node[b + u3] = _NIL
             pos = n_taken
             if pos < hashed:
                 if pos < full:
                     k = keys[lo + pos]
-                    slot_key[s] = k
-                    if head[k] == _NIL:
-                        head[k] = s
+                    kk = np.uint64(k)
+                    node[b + u2] = np.uint32(k)
+                    if head[kk] == _NIL:
+                        head[kk] = np.uint32(s)
                         size += 1
-                        owner[s] = t
-                    else:  # a duplicate (the newest copy goes last) keeps the key's first tenant
-                        c = head[k]
-                        while copy_next[c] != _NIL:
-                            c = copy_next[c]
-                        copy_next[c] = s
-                        owner[s] = owner[head[k]]
+                        if multi:
+                            owner[s] = t
+                    else:
+                        c = np.uint64(head[kk])
+                        while node[four * c + u3] != _NIL:
+                            c = np.uint64(node[four * c + u3])
+                        node[four * c + u3] = np.uint32(s)
+                        if multi:
+                            owner[s] = owner[np.uint64(head[kk])]
                 else:
-                    slot_key[s] = -1
-            taken[n_taken] = s
+                    node[b + u2] = _ANON
+            taken[n_taken] = np.uint32(s)
             n_taken += 1
-        if filled_at < 0 and made == slots:  # every slot has been used: from now on taking one evicts
+        if filled_at < 0 and made == slots:
             filled_at = base + r
         evictions[r] = ev
         total_evictions += ev
-        # release tail-first: hashed slots to the tail (block 0 last, the most recently released), unhashed ones
-        # to the head (the one released first ends up at the head)
         for i in range(n_taken - 1, -1, -1):
-            s = taken[i]
-            if slot_key[s] == -2:
-                first = nxt[0]
-                nxt[0] = s
-                prv[s] = 0
-                nxt[s] = first
-                prv[first] = s
-            else:
-                last = prv[0]
-                nxt[last] = s
-                prv[s] = last
-                nxt[s] = 0
-                prv[0] = s
+            s = np.uint64(taken[i])
+            b = four * s
+            if node[b + u2] == _EMPTY:  # to the head
+                first = np.uint64(node[1])
+                node[1] = np.uint32(s)
+                node[b] = 0
+                node[b + u1] = np.uint32(first)
+                node[four * first] = np.uint32(s)
+            else:  # to the tail
+                last = np.uint64(node[0])
+                node[four * last + u1] = np.uint32(s)
+                node[b] = np.uint32(last)
+                node[b + u1] = 0
+                node[0] = np.uint32(s)
             n_free += 1
     if n_tenants == 1:
         matrix[0, 0] = total_evictions
@@ -173,30 +177,28 @@ def _vllm(
 
 
 class VllmBlockPool(Carry):
-    INITIAL_SLOTS = 1 << 16  # node arrays grow (doubling) as slots are made, up to the capacity
+    INITIAL_SLOTS = 1 << 16  # slot records grow (doubling) as slots are made, up to the capacity
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.head = self.buffer("vllm.head", self.n_ids, np.int32)
-        nodes = int(min(self.capacity + 1, self.INITIAL_SLOTS))
-        self.nxt, self.prv, self.slot_key, self.copy_next, self.owner, self.taken = (
-            np.empty(nodes, np.int32) for _ in range(6)
-        )
+        self.head = self.buffer("vllm.head", self.n_ids, np.uint32)
+        self._slot_arrays(int(min(self.capacity + 1, self.INITIAL_SLOTS)))
+
+    def _slot_arrays(self, slots: int) -> None:
+        """(Re)allocate the per-slot arrays for `slots` slots, keeping what the old ones held."""
+        for name, width, dtype in (("node", 4, np.uint32), ("owner", 1, np.int32), ("taken", 1, np.uint32)):
+            old = getattr(self, name, None)
+            new = np.empty(width * slots, dtype)
+            if old is not None:
+                new[: old.size] = old
+            setattr(self, name, new)
 
     def cached(self) -> np.ndarray:
         return self.head[: self.n_ids] != _NIL
 
-    def _grow(self, at_least: int) -> None:
-        nodes = int(min(self.capacity + 1, max(2 * self.nxt.size, at_least)))
-        for name in ("nxt", "prv", "slot_key", "copy_next", "owner", "taken"):
-            old = getattr(self, name)
-            new = np.empty(nodes, np.int32)
-            new[: old.size] = old
-            setattr(self, name, new)
-
     def feed(self, chunk) -> SimOutput:
         offsets, max_hit, input_tokens = i8(chunk.offsets), i4(chunk.max_hit), i8(chunk.input_tokens)
-        kv_tokens, tenant, keys = i8(chunk.kv_tokens()), i4(chunk.tenant), i4(chunk.keys)
+        kv_tokens, tenant, keys = i8(chunk.kv_tokens()), i4(chunk.tenant), i4(chunk.keys).view(np.uint32)
         hits, evictions, matrix = [], [], np.zeros((self.n_tenants, self.n_tenants), np.int64)
         start, n = 0, int(input_tokens.size)
         while True:
@@ -204,7 +206,7 @@ class VllmBlockPool(Carry):
             h, e, m, filled_at = _vllm(
                 keys, offsets[start:], max_hit[start:], input_tokens[start:], kv_tokens[start:],
                 int(chunk.block_size), tenant[start:], self.n_tenants, int(self.capacity),
-                self.head, self.nxt, self.prv, self.slot_key, self.copy_next, self.owner, self.taken, self.state,
+                self.head, self.node, self.owner, self.taken, self.state,
             )  # fmt: skip
             hits.append(h)
             evictions.append(e)
@@ -214,7 +216,8 @@ class VllmBlockPool(Carry):
                 break
             made = int(self.state[_SLOTS_MADE])
             need = -(-int(kv_tokens[start]) // int(chunk.block_size))
-            self._grow(made + 2 + min(need, int(self.capacity) - 1 - made))
+            at_least = made + 2 + min(need, int(self.capacity) - 1 - made)
+            self._slot_arrays(int(min(self.capacity + 1, max(2 * self.taken.size, at_least))))
         if self.n_tenants == 1:
             matrix[0, 0] = sum(int(x.sum()) for x in evictions)
         return SimOutput(np.concatenate(hits), np.concatenate(evictions), matrix, filled_at)
