@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from kvbench.cache.densify import Numbering, densify, flat_ids, next_request_use
 from kvbench.trace.blockhash import mix, name_key
-from kvbench.trace.compute import pc
+from kvbench.trace.compute import call, dictionary_encode, fill_null, to_text
 from kvbench.trace.metrics import NO_LABEL
 from kvbench.trace.schema import DEFAULT_PRIORITY
 
@@ -74,7 +74,7 @@ def _column_or_none(table: pa.Table, name: str):
     if name not in table.column_names or table.column(name).null_count == table.num_rows:
         return None
     col = table.column(name)
-    return col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
+    return to_text(col)
 
 
 def fold_isolation(table: pa.Table, use_salt: bool = True, share_lora: bool = False) -> pa.ListArray:
@@ -104,13 +104,13 @@ def _fold(hashes: pa.ListArray, table: pa.Table, use_salt: bool, share_lora: boo
         return hashes
     extra_key = np.zeros(table.num_rows, dtype=np.uint64)
     for label, col in extras:
-        encoded = pc.dictionary_encode(col).combine_chunks()
+        encoded = dictionary_encode(col).combine_chunks()
         names = np.array([name_key(label, v) for v in encoded.dictionary.to_pylist()] + [0], dtype=np.uint64)
-        digest = names[encoded.indices.fill_null(len(names) - 1).to_numpy(zero_copy_only=False)]
+        digest = names[fill_null(encoded.indices, len(names) - 1).to_numpy(zero_copy_only=False)]
         # a null mixes nothing in, so a request's key does not depend on which other columns the trace has
         extra_key = np.where(digest != 0, mix(extra_key, digest), extra_key)
-    lengths = pc.list_value_length(hashes).to_numpy(zero_copy_only=False)
-    flat = np.asarray(hashes.flatten())
+    lengths = call("list_value_length", hashes).to_numpy(zero_copy_only=False)
+    flat = np.asarray(call("list_flatten", hashes))
     per_ref = np.repeat(extra_key, lengths)
     folded = np.where(per_ref != 0, mix(flat, per_ref), flat)
     offsets = np.asarray(hashes.offsets) - hashes.offsets[0].as_py()
@@ -156,7 +156,7 @@ def prepare_requests(
     tenant, names = tenant_codes(table, tenant_names)
     prio_col = table.column("priority") if "priority" in table.column_names else None
     priority = (
-        prio_col.fill_null(DEFAULT_PRIORITY).to_numpy().astype(np.int8)
+        fill_null(prio_col, DEFAULT_PRIORITY).to_numpy().astype(np.int8)
         if prio_col is not None
         else np.full(table.num_rows, DEFAULT_PRIORITY, dtype=np.int8)
     )
@@ -181,7 +181,7 @@ def tenant_codes(table: pa.Table, names: list[str] | None) -> tuple[np.ndarray, 
     if col is None:  # (in a chunk, "(none)" need not be the trace's first tenant)
         names = names or [NO_LABEL]
         return np.full(table.num_rows, names.index(NO_LABEL), dtype=np.int32), names
-    encoded = pc.dictionary_encode(col.fill_null(NO_LABEL)).combine_chunks()
+    encoded = dictionary_encode(fill_null(col, NO_LABEL)).combine_chunks()
     codes = np.asarray(encoded.indices, dtype=np.int32)
     if names is None:
         return codes, encoded.dictionary.to_pylist()

@@ -39,7 +39,7 @@ from kvbench.trace.files import TraceMeta
 from kvbench.trace.metrics import MetricSums
 from kvbench.trace.scan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
 from kvbench.trace.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
-from kvbench.trace.validation import read_valid_trace
+from kvbench.trace.validation import block_lengths, read_valid_trace
 
 DEFAULT_REPORTS = Path("reports")
 
@@ -90,7 +90,7 @@ def _open_trace(trace_path: Path, stream: bool | None, warmup: float, cache=Fals
         infinite = _infinite_rates(hit.infinite_hits, hit.n_blocks, table, hit.meta.block_size, warmup)
         return _Trace(hit.meta, hit.facts, infinite, table, hit.n_blocks, cache=entry)
     table, meta = read_valid_trace(trace_path)
-    n_blocks = pc.list_value_length(table.column("block_hashes")).to_numpy(zero_copy_only=False).astype(np.int64)
+    n_blocks = block_lengths(table.column("block_hashes"))
     hits = infinite_cache_hits(table.column("block_hashes"), number=numbered_chunks)
     facts = {
         "fingerprint": trace_fingerprint(table),

@@ -42,6 +42,25 @@ def _call(name: str, args: list, options=None):
     return _kernels().call_function(name, args, options)
 
 
+def call(name: str, *args):
+    """Arrow compute function `name` with its default options, e.g. call("list_flatten", hashes) for
+    pc.list_flatten(hashes): for the functions a first run's validation needs (`kvbench.trace.validation`)."""
+    return _call(name, list(args))
+
+
+def index_in(values, value_set: pa.Array) -> pa.Array | pa.ChunkedArray:
+    """pyarrow.compute.index_in(values, value_set=value_set): each value's first position in the set, null
+    where it is absent."""
+    return _call("index_in", [values], _kernels().SetLookupOptions(value_set))
+
+
+def cast(values: pa.Array | pa.ChunkedArray, to: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    """`values.cast(to)` (a safe cast)."""
+    if values.type == to:
+        return values
+    return _call("cast", [values], _kernels().CastOptions.safe(to))
+
+
 def to_text(values: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     """Dictionary-encoded labels as plain strings (others unchanged): `values.cast(pa.string())`."""
     if not pa.types.is_dictionary(values.type):

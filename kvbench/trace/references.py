@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import pyarrow as pa
 
-from kvbench.trace.compute import pc
+from kvbench.trace.compute import call, cast, fill_null, index_in
 from kvbench.trace.outofcore import GrowingArray
 
 # Values looked up per searchsorted call: bounds the int64 positions it returns to 32 MB.
@@ -25,14 +25,14 @@ CYCLE_RULE = "dependency cycle (requests that wait for each other)"
 
 
 def _np(col, fill) -> np.ndarray:
-    return col.fill_null(fill).to_numpy(zero_copy_only=False)
+    return fill_null(col, fill).to_numpy(zero_copy_only=False)
 
 
 def _id_hashes(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """64-bit hashes of request ids (null as ""): 8 bytes a row instead of the id's text."""
     import polars as pl  # loaded on use: the CLI starts faster without it
 
-    return pl.Series(values.fill_null("")).cast(pl.Utf8).hash(seed=7).to_numpy()
+    return pl.Series(fill_null(values, "")).cast(pl.Utf8).hash(seed=7).to_numpy()
 
 
 @dataclass
@@ -51,19 +51,21 @@ class References:
         """`hashed=False` keeps the ids' text: exact, and no hashing (nor polars import) for a trace that is
         in memory anyway."""
         parent = t.column("parent_id").combine_chunks()
-        valid = parent.is_valid()
+        # (Arrow's own methods import pyarrow.compute, 70-120 ms that a first run would pay: `call` instead)
+        valid = call("is_valid", parent)
         has_parent = np.flatnonzero(_np(valid, False))
         deps = t.column("depends_on").combine_chunks()
 
         def ids(values):
-            return _id_hashes(values) if hashed else pa.array(values.fill_null("")).cast(pa.string())
+            return _id_hashes(values) if hashed else cast(fill_null(values, ""), pa.string())
 
         return cls(
             ids=ids(t.column("request_id").combine_chunks()),
             parent_rows=has_parent + first_row,
-            parents=ids(parent.filter(valid)),  # (the rows of has_parent; pa.array(has_parent) imports numpy.ma)
-            dep_rows=np.asarray(pc.list_parent_indices(deps), dtype=np.int64) + first_row,
-            deps=ids(pc.list_flatten(deps)),
+            # (the rows of has_parent; pa.array(has_parent) would import numpy.ma)
+            parents=ids(call("array_filter", parent, valid)),
+            dep_rows=np.asarray(call("list_parent_indices", deps), dtype=np.int64) + first_row,
+            deps=ids(call("list_flatten", deps)),
         )
 
 
@@ -96,7 +98,7 @@ class _TextIds:
 
     def rows_of(self, values) -> np.ndarray:
         """Row of each value's first occurrence among the ids, -1 where it has none."""
-        return _np(pc.index_in(pa.array(values), value_set=self.ids), -1).astype(np.int64)
+        return _np(index_in(pa.array(values), self.ids), -1).astype(np.int64)
 
     def contains(self, values) -> np.ndarray:
         return self.rows_of(values) >= 0
@@ -104,7 +106,7 @@ class _TextIds:
 
 def _repeated_text(values: pa.Array) -> np.ndarray:
     """True where an earlier element has the same value (index_in finds each value's first position)."""
-    return _np(pc.index_in(values, value_set=values), -1) != np.arange(len(values))
+    return _np(index_in(values, values), -1) != np.arange(len(values))
 
 
 class _HashedIds:

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.errors import ValidationFailed
-from kvbench.trace.compute import pc
+from kvbench.trace.compute import call, fill_null, pc
 from kvbench.trace.files import read_trace
 from kvbench.trace.references import GrowingReferences, References, check_across_rows
 from kvbench.trace.schema import REQUIRED_COLUMNS, TRACE_SCHEMA, type_mismatch
@@ -74,7 +74,12 @@ class ValidationReport:
 
 
 def _np(col: pa.ChunkedArray, fill) -> np.ndarray:
-    return col.fill_null(fill).to_numpy(zero_copy_only=False)
+    return fill_null(col, fill).to_numpy(zero_copy_only=False)
+
+
+def _null(col) -> np.ndarray:
+    """bool per value: is it null (through `call`: a first run's validation never imports pyarrow.compute)."""
+    return _np(call("is_null", col), False)
 
 
 _CAST_ERRORS = (pa.ArrowException, ValueError, TypeError)
@@ -127,7 +132,7 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
     n = t.num_rows
     for name in REQUIRED_COLUMNS:
         if name != "block_hashes":
-            report.add(name, "must not be null", _np(t.column(name).is_null(), False))
+            report.add(name, "must not be null", _null(t.column(name)))
     arrival = _np(t.column("arrival_s"), 0.0)
     report.add(
         "arrival_s", "must be finite and >= 0 (seconds since trace start)", ~np.isfinite(arrival) | (arrival < 0)
@@ -147,10 +152,10 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
     report.add("block_hashes", "must not be null", lengths < 0)
     first_row = 0
     for hashes in t.column("block_hashes").chunks:  # chunk by chunk: a combined copy is 8 bytes a reference
-        ids = pc.list_flatten(hashes)
+        ids = call("list_flatten", hashes)
         if ids.null_count:  # a null id would be read as some number and hit whatever block has it
-            parents = np.asarray(pc.list_parent_indices(hashes)) + first_row
-            report.add("block_hashes", "block ids must not be null", np.unique(parents[_np(ids.is_null(), False)]))
+            parents = np.asarray(call("list_parent_indices", hashes)) + first_row
+            report.add("block_hashes", "block ids must not be null", np.unique(parents[_null(ids)]))
         first_row += len(hashes)
     expected = -(-np.maximum(inp, 0) // block_size)
     report.add(
@@ -163,7 +168,7 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
         col = t.column(name)
         if col.null_count < n:
             values = _np(col, fill)
-            report.add(name, rule, bad(values) & ~_np(col.is_null(), True))
+            report.add(name, rule, bad(values) & ~_null(col))
 
     optional("turn", 0, "must be >= 0", lambda v: v < 0)
     optional("think_time_s", 0.0, "must be finite and >= 0 (seconds)", lambda v: ~np.isfinite(v) | (v < 0))
@@ -193,7 +198,7 @@ def _check_numbers(t: pa.Table, block_size: int, report: ValidationReport) -> No
 
 def block_lengths(hashes: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """Blocks per request, -1 where block_hashes is null."""
-    return _np(pc.list_value_length(hashes), -1).astype(np.int64)
+    return _np(call("list_value_length", hashes), -1).astype(np.int64)
 
 
 def check_rows(table: pa.Table, block_size: int, report: ValidationReport, first_row: int = 0) -> pa.Table | None:
