@@ -13,23 +13,41 @@ _EMPTY = np.uint32(0xFFFFFFFE)  # slot key: holds no hash (never used yet, or a 
 _SLOTS_MADE = TAIL  # state field (this policy has no other use for it): slots handed out at least once so far
 
 
+@kernel_fn()
+def _put_after(node, at, s):
+    """Link slot `s` into the free queue right after node `at` (0, the sentinel: at the head)."""
+    four, u1 = np.uint64(4), np.uint64(1)
+    a, b = four * at, four * s
+    nxt = np.uint64(node[a + u1])
+    node[b] = np.uint32(at)
+    node[b + u1] = np.uint32(nxt)
+    node[a + u1] = np.uint32(s)
+    node[four * nxt] = np.uint32(s)
+
+
 @kernel_fn(
-    SIM_OUT + "(u4[::1], i8[::1], i4[::1], i8[::1], i8[::1], i8, i4[::1], i8, i8, u4[::1], u4[::1], i4[::1], "
-    "u4[::1], i8[:])"
+    SIM_OUT + "(u4[::1], i8[::1], i4[::1], i8[::1], i8[::1], i8, i4[::1], i8, i8, u4[::1], u4[::1], i4[::1], i8[:])"
 )
 def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n_tenants, capacity, head, node,
-          owner, taken, state):  # fmt: skip
+          owner, state):  # fmt: skip
     """The free queue is a circular doubly linked list over slot ids: node 0 (vLLM's null block) is its sentinel
     (its next is the head, its prev the tail), node 1 the mark that stands for the slots never handed out (they
     come after anything put at the head, before anything appended); real slots are 2, 3, ... as made.
 
-    Slot s is the record node[4s:4s+4]: prev and next in the free queue (prev = _NIL while held), the key it
-    holds (or _ANON / _EMPTY), and the next copy of that key. One record per slot keeps a slot's fields in
-    one cache line, and unsigned indices spare numba's negative-index fix-ups (as in `lru`). `head[k]`: the
-    oldest slot holding key k (_NIL: not cached). `owner[s]`: the tenant whose request first cached the key
-    (kept with several tenants only). `taken`: the running request's slots, in block order. The records hold
-    `node.size // 4` slots: the kernel stops before a request that could need more and the caller grows them;
-    `state` (STATE_FIELDS) carries the pool across calls, so a trace can also be fed in chunks."""
+    Slot s is the record node[4s:4s+4]: prev and next in the free queue (the mark's prev is _NIL once it has
+    left the queue), the key it holds (or _ANON / _EMPTY), and the next copy of that key. One record per slot
+    keeps a slot's fields in one cache line, and unsigned indices spare numba's negative-index fix-ups (as in
+    `lru`). `head[k]`: the oldest slot holding key k (_NIL: not cached). `owner[s]`: the tenant whose request
+    first cached the key (kept with several tenants only). The records hold `node.size // 4` slots: the
+    kernel stops before a request that could need more and the caller grows them; `state` (STATE_FIELDS)
+    carries the pool across calls, so a trace can also be fed in chunks.
+
+    vLLM holds a request's blocks and releases them at its end, last block first, hashed ones to the tail
+    (so block 0 ends up the most recent) and unhashed ones to the head. Here each hashed block is put back as
+    soon as it is held, right after `anchor` (the tail when the request started): the blocks after the
+    anchor are then exactly the request's, already in their released order, and the head is never one of
+    them while `n_free` counts only the others. That spares a second pass over the request's blocks. The one
+    unhashed block (a last, partly filled one) is the last taken and goes to the head at the end."""
     n = offsets.size - 1
     room = np.int64(node.size // 4)
     u1, u2, u3, four = np.uint64(1), np.uint64(2), np.uint64(3), np.uint64(4)
@@ -72,19 +90,21 @@ def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n
         h = 0
         mh = max_hit[r]
         n_taken = 0
+        anchor = np.uint64(node[0])  # the tail when the request starts
+        unhashed = z
         while h < mh:
             s = np.uint64(head[np.uint64(keys[lo + h])])
             if s == np.uint64(_NIL):
                 break
             b = four * s
-            p = node[b]
-            if p != _NIL:  # free: take it off the queue
-                q = node[b + u1]
-                node[four * np.uint64(p) + u1] = q
-                node[four * np.uint64(q)] = p
-                node[b] = _NIL
-                n_free -= 1
-            taken[n_taken] = np.uint32(s)
+            p = np.uint64(node[b])
+            q = np.uint64(node[b + u1])
+            if s == anchor:
+                anchor = p
+            node[four * p + u1] = np.uint32(q)
+            node[four * q] = np.uint32(p)
+            n_free -= 1
+            _put_after(node, anchor, s)  # held, and already where its release puts it
             n_taken += 1
             h += 1
         hit_blocks[r] = h
@@ -103,12 +123,15 @@ def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n
                     node[1] = np.uint32(q)
                     node[four * q] = 0
                     node[4] = _NIL
+                    if anchor == u1:
+                        anchor = z
             else:
                 b = four * s
                 q = np.uint64(node[b + u1])
                 node[1] = np.uint32(q)
                 node[four * q] = 0
-            node[b] = _NIL
+                if s == anchor:
+                    anchor = z
             n_free -= 1
             old = node[b + u2]
             if old < _EMPTY:  # a trace key: evict this copy
@@ -147,28 +170,18 @@ def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n
                             owner[s] = owner[np.uint64(head[kk])]
                 else:
                     node[b + u2] = _ANON
-            taken[n_taken] = np.uint32(s)
+            if node[b + u2] == _EMPTY:  # unhashed (the last one taken): to the head at the end
+                unhashed = s
+            else:
+                _put_after(node, anchor, s)
             n_taken += 1
         if filled_at < 0 and made == slots:
             filled_at = base + r
         evictions[r] = ev
         total_evictions += ev
-        for i in range(n_taken - 1, -1, -1):
-            s = np.uint64(taken[i])
-            b = four * s
-            if node[b + u2] == _EMPTY:  # to the head
-                first = np.uint64(node[1])
-                node[1] = np.uint32(s)
-                node[b] = 0
-                node[b + u1] = np.uint32(first)
-                node[four * first] = np.uint32(s)
-            else:  # to the tail
-                last = np.uint64(node[0])
-                node[four * last + u1] = np.uint32(s)
-                node[b] = np.uint32(last)
-                node[b + u1] = 0
-                node[0] = np.uint32(s)
-            n_free += 1
+        if unhashed != z:
+            _put_after(node, z, unhashed)
+        n_free += n_taken
     if n_tenants == 1:
         matrix[0, 0] = total_evictions
     state[SIZE], state[FILLED_AT], state[FIRST_REQUEST] = size, filled_at, base + done
@@ -186,7 +199,7 @@ class VllmBlockPool(Carry):
 
     def _slot_arrays(self, slots: int) -> None:
         """(Re)allocate the per-slot arrays for `slots` slots, keeping what the old ones held."""
-        for name, width, dtype in (("node", 4, np.uint32), ("owner", 1, np.int32), ("taken", 1, np.uint32)):
+        for name, width, dtype in (("node", 4, np.uint32), ("owner", 1, np.int32)):
             old = getattr(self, name, None)
             new = np.empty(width * slots, dtype)
             if old is not None:
@@ -206,7 +219,7 @@ class VllmBlockPool(Carry):
             h, e, m, filled_at = _vllm(
                 keys, offsets[start:], max_hit[start:], input_tokens[start:], kv_tokens[start:],
                 int(chunk.block_size), tenant[start:], self.n_tenants, int(self.capacity),
-                self.head, self.node, self.owner, self.taken, self.state,
+                self.head, self.node, self.owner, self.state,
             )  # fmt: skip
             hits.append(h)
             evictions.append(e)
@@ -217,7 +230,7 @@ class VllmBlockPool(Carry):
             made = int(self.state[_SLOTS_MADE])
             need = -(-int(kv_tokens[start]) // int(chunk.block_size))
             at_least = made + 2 + min(need, int(self.capacity) - 1 - made)
-            self._slot_arrays(int(min(self.capacity + 1, max(2 * self.taken.size, at_least))))
+            self._slot_arrays(int(min(self.capacity + 1, max(2 * self.owner.size, at_least))))
         if self.n_tenants == 1:
             matrix[0, 0] = sum(int(x.sum()) for x in evictions)
         return SimOutput(np.concatenate(hits), np.concatenate(evictions), matrix, filled_at)
