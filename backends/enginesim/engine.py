@@ -277,6 +277,8 @@ class Instance:
                     budget -= take
                     if budget <= 0:
                         break
+        if self.scenarios and len(self.waiting) > 1 and budget > 0 and len(self.running) < self.sched.max_num_seqs:
+            self._order_waiting()  # (without scenarios the queue stays first come, first served: no sort)
         blocked = None  # the queue's head, found not to fit
         while self.waiting and budget > 0 and len(self.running) < self.sched.max_num_seqs:
             req = self.waiting[0]
@@ -335,6 +337,18 @@ class Instance:
         self.stats["steps"] += steps
         self._run_load = None
         return step + extra_s, pieces, decoding, steps
+
+    def _order_waiting(self) -> None:
+        """Reorder the waiting queue by the first scenario's `waiting_order` key (task-level scheduling), in
+        place (other code holds the deque). Requests that already ran (preempted, start set) stay ahead, in
+        their order: vLLM puts a preempted request back at the head of its queue."""
+        for sc in self.scenarios:
+            key = sc.waiting_order(self)
+            if key is not None:
+                order = sorted(self.waiting, key=lambda r: (r.start < 0, key(r) if r.start < 0 else 0))
+                self.waiting.clear()
+                self.waiting.extend(order)
+                return
 
     def _fast_forward(self, decoding: list[Req]) -> int:
         k = min(min([r.n_out - r.generated for r in decoding]), MAX_FAST_FORWARD)

@@ -50,6 +50,14 @@ class Scenario:
         """A request does not fit `inst`'s pool: give back KV the scenario holds there (True if it did)."""
         return False
 
+    def waiting_order(self, inst):
+        """A sort key for `inst`'s waiting queue (smaller is admitted first), or None to admit in the queue's
+        order (first come, first served: arrival, a preempted request back at the head). Asked before each
+        admission pass while more than one request waits; the engine sorts stably, so requests whose keys tie
+        keep their queue order, and it keeps requests that already ran (preempted) ahead of the rest, as vLLM
+        does. Only one active scenario may return a key (the first one that does is used)."""
+        return None
+
     def admitted(self, inst, req) -> None:
         """A request was looked up and took its blocks on `inst`."""
 

@@ -3,7 +3,11 @@ time). Reported per task (session): completion time and the peak KV its calls ho
 `--task-retention`, a finished call's blocks stay held (not evictable) until the next call of its task is
 scheduled, so a live task's context survives the think time (task-aware retention; it acts through policies
 that hold blocks, such as vllm, the default). Retained KV takes pool space: a request that does not fit waits
-for running ones to finish, and only when nothing runs does the longest-retained call give its KV back."""
+for running ones to finish, and only when nothing runs does the longest-retained call give its KV back.
+
+`--task-order` makes the task, not the call, the unit of admission (docs/task-scheduling.md): each instance's
+waiting queue is ordered by a measure of the call's task, ties broken by the call's arrival, then its row.
+With `--task-retention` it is "keep a task's KV until its last call, and finish tasks first"."""
 
 from __future__ import annotations
 
@@ -13,12 +17,24 @@ from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
 
+# the waiting-queue orders of --task-order: name -> what goes first (its measure, smallest first)
+TASK_ORDERS = {
+    "fcfs": "calls in arrival order, tasks ignored (vLLM)",
+    "oldest-task": "calls of the task whose first call arrived first (task-level FCFS)",
+    "fewest-remaining-calls": "calls of the task with the fewest calls not finished (it knows the task graph)",
+    "least-remaining-work": "calls of the task with the fewest tokens (prompt plus output) not yet computed "
+    "(it knows the task graph)",
+    "least-attained-service": "calls of the task whose finished calls ran the fewest seconds (as Autellix's PLAS; "
+    "needs no knowledge of what is to come)",
+}
+
 
 @scenario
 class AgentTasks(Scenario):
     name = "agent-tasks"
     units = {  # of its options, shown in --help
         "task_retention": "on/off",
+        "task_order": "name",
     }
     options = [
         click.Option(
@@ -26,17 +42,31 @@ class AgentTasks(Scenario):
             is_flag=True,
             default=False,
             help="keep a finished call's KV held until the next call of its task starts (needs --closed-loop)",
-        )
+        ),
+        click.Option(
+            ["--task-order"],
+            type=click.Choice(list(TASK_ORDERS)),
+            default="fcfs",
+            show_default=True,
+            help="order of each instance's waiting queue: "
+            + "; ".join(f"{k}: {v}" for k, v in TASK_ORDERS.items())
+            + "; ties go to the call that arrived first (needs --closed-loop)",
+        ),
     ]
 
-    def __init__(self, retention: bool):
-        self.retention = retention
+    def __init__(self, retention: bool, order: str = "fcfs"):
+        self.retention, self.order = retention, order
 
     @classmethod
     def create(cls, settings):
         if settings.get("task_retention") and not settings.get("closed_loop"):
             raise KvbenchError("--task-retention keeps KV between a task's calls: it needs --closed-loop")
-        return cls(bool(settings.get("task_retention"))) if settings.get("closed_loop") else None
+        order = settings.get("task_order") or "fcfs"
+        if order not in TASK_ORDERS:
+            raise KvbenchError(f"--task-order {order!r}: not one of {', '.join(TASK_ORDERS)}")
+        if order != "fcfs" and not settings.get("closed_loop"):
+            raise KvbenchError(f"--task-order {order} orders calls by their task's graph: it needs --closed-loop")
+        return cls(bool(settings.get("task_retention")), order) if settings.get("closed_loop") else None
 
     def attach(self, instances, reqs, trace, prep, block_size):
         from kvbench.live.pacing import predecessors
@@ -51,6 +81,40 @@ class AgentTasks(Scenario):
         self.bs = block_size
         self.released_at: dict[int, float] = {}
         self.released_for_room = 0  # retained calls whose KV was given back because a request did not fit
+        names, task_of = np.unique(np.asarray(self.task, dtype=object).astype(str), return_inverse=True)
+        self.task_of = task_of.tolist()
+        self.calls: list[list] = [[] for _ in names]
+        for r in reqs:
+            self.calls[self.task_of[r.row]].append(r)
+        start = np.full(len(names), np.inf)
+        np.minimum.at(start, task_of, trace.column("arrival_s").to_numpy().astype(np.float64))
+        self.task_start = start.tolist()  # the trace time of each task's first call
+
+    def _measure(self, task: int) -> float:
+        """The --task-order measure of a task now (smaller goes first)."""
+        calls = self.calls[task]
+        if self.order == "oldest-task":
+            return self.task_start[task]
+        if self.order == "fewest-remaining-calls":
+            return sum(1 for c in calls if c.finish < 0)
+        if self.order == "least-remaining-work":  # a running call's context is KV it already has
+            return sum(max(0, c.n_in + c.n_out - c.context) for c in calls if c.finish < 0)
+        return sum(c.finish - c.start for c in calls if c.finish >= 0)  # least-attained-service
+
+    def waiting_order(self, inst):
+        if self.order == "fcfs":
+            return None
+        memo: dict[int, float] = {}  # a task's measure, once per ordering (several of its calls may wait)
+        task_of, measure = self.task_of, self._measure
+
+        def key(r):
+            t = task_of[r.row]
+            m = memo.get(t)
+            if m is None:
+                m = memo[t] = measure(t)
+            return (m, r.arrival, r.row)
+
+        return key
 
     def retain(self, inst, req):
         if self.retention and self.waiting_succ[req.row] > 0:
@@ -100,13 +164,22 @@ class AgentTasks(Scenario):
             peaks.append(peak)
 
         def dist(x):
+            if not x:
+                return None
             return (
-                {f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 99)} | {"max": float(np.max(x))} if x else None
+                {"mean": float(np.mean(x))}
+                | {f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 99)}
+                | {"max": float(np.max(x))}
             )
 
+        # each call's TTFT from its arrival (closed loop: when its predecessors finished, plus think time), the
+        # request-level price of ordering by task
+        ttft = [r.first_token - r.arrival for r in reqs if r.first_token >= 0]
         return {
             "tasks": len(tasks),
+            "task_order": self.order,
             "task_retention": self.retention,
+            "call_ttft_s": dist(ttft),
             "retained_released_for_room": self.released_for_room,
             "completion_s": dist(completion),
             "peak_kv_bytes_per_task": dist(peaks),
