@@ -5,8 +5,15 @@ text and (for earlier turns) its answer. A media item is one segment whose conte
 item's content hash alone, so the same image/video/audio after the same prefix always yields the same
 block ids (the KV of a popular image is reusable), and `mm_items` records where each item sits.
 
-Video is one item per clip: the frames of a clip are different token runs, so near-duplicate adjacent
-frames are never deduplicated against each other (as in engines that cache by whole-item hash).
+Video is one item per clip by default: the frames of a clip are different token runs, so near-duplicate
+adjacent frames are never deduplicated against each other (as in engines that cache by whole-item hash).
+With `video_frame_items` the clip is listed frame by frame instead (one `mm_items` entry per frame, the block
+ids unchanged), and `video_frame_repeat` makes a frame repeat the previous one exactly (the same frame hash):
+what the engine simulator's video-kv scenario measures a frame similarity from (docs/video-audio-kv.md).
+
+Voice chats (`voice_session_share`): every user turn of such a session is speech, an audio item of its own
+(never reused: each utterance is new) at `audio_tokens_per_s`, with a few tokens of text around it, so audio
+and text interleave turn by turn as in a spoken conversation with a text-answering model.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from kvbench.trace.schema import MM_ITEM
 MODALITIES = ("image", "video", "audio")
 # Not seeded: the content id of an item depends on its hash only, whichever trace it appears in.
 _ITEM_CONTENT_KEY = name_key("multimodal", "item-content")
+_FRAME_KEY, _REPEAT_KEY = name_key("multimodal", "frame"), name_key("multimodal", "frame-repeat")
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,29 @@ class MultimodalParams:
     output_tokens_sigma: float = param(0.8, "log-normal shape of answer length")
     think_time_mean_s: float = param(30.0, "mean human think time between an answer and the next turn (s)")
     decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later turns (s)")
+    # Frames and voice turns (docs/video-audio-kv.md); the defaults leave the trace as it was without them.
+    video_fps: float = param(
+        2.0,
+        "frames per second a clip is sampled at (frames/s): a frame is video_tokens_per_s / video_fps tokens",
+        above=0,
+    )
+    video_frame_items: bool = param(
+        False, "list each video clip frame by frame in mm_items (one item per frame; block ids unchanged)"
+    )
+    video_frame_repeat: float = param(
+        0.0,
+        "probability that a frame after a clip's first repeats the previous frame exactly (same frame hash; "
+        "0..1; needs --video-frame-items)",
+        at_most=1,
+    )
+    voice_session_share: float = param(
+        0.0,
+        "share of sessions that are voice chats: every user turn carries a new audio clip of speech (0..1)",
+        at_most=1,
+    )
+    voice_turn_s_mean: float = param(6.0, "mean length of a spoken user turn (s, log-normal)", above=0)
+    voice_turn_s_max: float = param(60.0, "cap on a spoken user turn (s)", above=0)
+    voice_text_tokens: int = param(8, "text tokens of a spoken turn beside its audio (chat template)", at_least=1)
 
 
 def _pool_tokens(p: MultimodalParams, modality: str, seed: int) -> np.ndarray:
@@ -114,6 +145,54 @@ def _mm_items_column(item_hash, item_modality, offset, tokens, owner: np.ndarray
     return pa.ListArray.from_arrays(pa.array(offsets), items, type=pa.list_(MM_ITEM))
 
 
+def _with_voice_items(p: MultimodalParams, seed: int, voice, item_req, item_modality, item_hash, item_tokens):
+    """The flat item arrays with one audio item more for every request of a voice session: its user turn
+    spoken, duration x audio_tokens_per_s tokens, after the turn's other media and before its text."""
+    rng = rng_for(seed, "multimodal", "voice", "length")
+    spoken = np.flatnonzero(voice)
+    mu = np.log(p.voice_turn_s_mean) - 0.6**2 / 2
+    seconds = np.clip(rng.lognormal(mu, 0.6, spoken.size), 1.0, max(p.voice_turn_s_max, 1.0))
+    tokens = np.maximum(np.rint(seconds * p.audio_tokens_per_s), 1).astype(np.int64)
+    # each utterance is new content: its id is derived from the request it was spoken in
+    hashes = content_ids(name_key("multimodal", seed, "voice"), spoken)
+    req = np.concatenate([item_req, spoken])
+    order = np.argsort(req, kind="stable")  # a request's pool items first, then its speech
+    return (
+        req[order],
+        np.concatenate([item_modality, np.full(spoken.size, MODALITIES.index("audio"))])[order],
+        np.concatenate([item_hash, hashes])[order],
+        np.concatenate([item_tokens, tokens])[order],
+    )
+
+
+def frame_tokens(p: MultimodalParams) -> int:
+    """Tokens of one video frame: the clip's tokens per second over the frames per second (at least 1)."""
+    return max(1, round(p.video_tokens_per_s / p.video_fps))
+
+
+def _frames(p: MultimodalParams, item_hash, modality, offset, tokens, owner):
+    """The item occurrences as `mm_items` lists them: as they are, or with `video_frame_items` every video clip
+    as consecutive frames of `frame_tokens` (the last one shorter). A frame's hash depends on its clip and its
+    index only, so every copy of a clip has the same frames; a repeated frame takes the previous frame's hash."""
+    if not p.video_frame_items:
+        return item_hash, modality, offset, tokens, owner
+    per_frame = frame_tokens(p)
+    video = modality == MODALITIES.index("video")
+    count = np.where(video, -(-tokens // per_frame), 1)
+    src = np.repeat(np.arange(item_hash.size), count)
+    k = group_ranks(src)
+    is_video = video[src]
+    frame_offset = np.where(is_video, offset[src] + k * per_frame, offset[src])
+    frame_len = np.where(is_video, np.minimum(per_frame, tokens[src] - k * per_frame), tokens[src])
+    fresh = mix(_FRAME_KEY, item_hash[src], k.astype(np.uint64))
+    draw = (mix(_REPEAT_KEY, item_hash[src], k.astype(np.uint64)) >> np.uint64(11)) * 2.0**-53
+    repeat = is_video & (k > 0) & (draw < p.video_frame_repeat)
+    # each frame takes the hash of the last frame at or before it that is not a repeat (a clip's first never is)
+    last_new = np.maximum.accumulate(np.where(repeat, 0, np.arange(src.size)))
+    frame_hash = np.where(is_video, fresh[last_new], item_hash[src])
+    return frame_hash, modality[src], frame_offset, frame_len, owner[src]
+
+
 @generator("multimodal", MultimodalParams, bytes_per_request=4_000)
 def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     """Image/video/audio prompts with Zipf-popular, reusable media items and short sessions."""
@@ -144,6 +223,15 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
         rank = zipf_indices(rng_for(seed, "multimodal", name, "draw"), max(size, 1), alpha, sel.size)
         item_hash[sel] = content_ids(name_key("multimodal", seed, name), rank)
         item_tokens[sel] = _pool_tokens(p, name, seed)[rank]
+    if p.video_frame_repeat > 0 and not p.video_frame_items:
+        raise BadParameter("--video-frame-repeat needs --video-frame-items (repeats are seen frame by frame)")
+    voice = np.zeros(n, dtype=bool)
+    if p.voice_session_share > 0:  # drawn from streams of their own: the rest of the trace is unchanged
+        voice = (rng_for(seed, "multimodal", "voice").random(n_sessions) < p.voice_session_share)[session]
+        item_req, item_modality, item_hash, item_tokens = _with_voice_items(
+            p, seed, voice, item_req, item_modality, item_hash, item_tokens
+        )
+        n_items = np.bincount(item_req, minlength=n)
     # Token offset of each item inside its own turn (items come first, then the user's text).
     item_first = np.cumsum(n_items) - n_items
     tokens_before = np.cumsum(item_tokens) - item_tokens
@@ -155,6 +243,7 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
     )
     user_len = lognormal_ints(rng, p.user_tokens_mean, p.user_tokens_sigma, n, lo=1, hi=32_000)
     out_len = lognormal_ints(rng, p.output_tokens_mean, p.output_tokens_sigma, n, lo=1, hi=16_000)
+    user_len = np.where(voice, p.voice_text_tokens, user_len)  # a spoken turn's words are its audio
     think = rng.exponential(p.think_time_mean_s, n) * (turn > 0)
 
     # Arrivals as in chat: sessions start as a Poisson process, a turn follows the previous one after its
@@ -191,7 +280,7 @@ def multimodal(p: MultimodalParams, n: int, seed: int, block_size: int):
         "workload": np.full(n, "multimodal", dtype=object),
         "think_time_s": think.astype(np.float32),
         "mm_items": _mm_items_column(
-            item_hash[occ_item], item_modality[occ_item], occ_offset, item_tokens[occ_item], occ_req, n
+            *_frames(p, item_hash[occ_item], item_modality[occ_item], occ_offset, item_tokens[occ_item], occ_req), n
         ),
     }
     return assemble(columns, segs, n, block_size)
