@@ -249,7 +249,7 @@ class Autoscale(Scenario):
             "prewarmed": self.prewarmed,
             "lazy_weights": self.lazy,
             "instance_start_s": self.instance_start_s if self.fixed_cold_s is None else None,
-            "weight_gb": self.weight_bytes / 1e9,
+            "weight_bytes": self.weight_bytes,
             "weight_load_s": self.load_s if self.fixed_cold_s is None else None,
             "cold_start_s": self.cold_s,
             "scale_ups": len(scale_ups),

@@ -58,7 +58,7 @@ def run_end(rows) -> float:
 
 def test_a_cold_instance_serves_after_its_runtime_start_plus_the_weights_load(trace, tmp_path):
     facts, rows = replay(trace, tmp_path, "cold")
-    assert facts["weight_gb"] * 1e9 == pytest.approx(WEIGHTS)
+    assert facts["weight_bytes"] == pytest.approx(WEIGHTS)
     assert facts["weight_load_s"] == pytest.approx(WEIGHTS / 2e9)  # 16.06 GB at 2 GB/s: 8.03 s
     assert facts["cold_start_s"] == pytest.approx(COLD_S)
     new = facts["instances"][1]
