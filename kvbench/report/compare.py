@@ -13,6 +13,7 @@ from kvbench.report.fidelity import TITLE as MODEL_TITLE
 from kvbench.report.fidelity import FidelityTable, explanation, html_ready
 from kvbench.report.page import Figure, Links, Section, Table, pct, render_html, render_markdown, svg
 from kvbench.report.style import colour, duration, line_style, log_ticks
+from kvbench.report.tasks import task_comparison_section
 from kvbench.run.comparison import CI, FORMATS, LIVE, METRICS, N_BOOT, QUANTILES, Comparison
 
 NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
@@ -279,6 +280,7 @@ def page_sections(cmp: Comparison, out_dir: Path | None = None, plots: bool = Tr
     if result["ttft_fidelity"]:
         sections.append(Section("Fidelity: modeled vs measured TTFT", [_dict_table(result["ttft_fidelity"])]))
     sections += _model_sections(result)
+    sections.append(task_comparison_section(cmp.runs))
     if plots:
         import matplotlib
 

@@ -14,6 +14,7 @@ from kvbench.report.page import Section, Table, render_html, render_markdown
 from kvbench.report.saturation import saturation_section
 from kvbench.report.serving import engine_section, server_section
 from kvbench.report.style import plain
+from kvbench.report.tasks import task_section
 from kvbench.report.timing import latency_sections, timeline_section
 from kvbench.report.transfers import transfer_section
 from kvbench.report.workload import agent_section, characterisation_section
@@ -122,6 +123,7 @@ def sections(
         out += latency_sections(summary, requests)
         out.append(server_section(summary))
         out.append(engine_section(summary))
+        out.append(task_section(summary))
         out.append(transfer_section(summary))
         out.append(timeline_section(summary, requests, trace))
         out.append(agent_section(requests, trace, name))
