@@ -171,3 +171,26 @@ def test_with_retention_the_order_still_holds_and_kv_is_kept(setup):
 def test_bad_task_orders_are_refused(setup, opts, message):
     with pytest.raises(KvbenchError, match=message):
         replay(setup, "bad", **opts)
+
+
+def test_the_report_puts_orders_side_by_side_with_their_ratio_to_fcfs(setup):
+    """The report's Task scheduling table for two runs, as `kvbench compare` passes them: mean completion
+    (5 + 3.9 + 9.3) / 3 = 6.067 s against (7 + 3.9 + 8.8) / 3 = 6.567 s, 0.92×; p99 of the three by linear
+    interpolation: fcfs 8.8 - 0.02·(8.8 - 7) = 8.764 s, fewest-remaining-calls 9.3 - 0.02·(9.3 - 5) = 9.214 s."""
+    from kvbench.report.page import render_markdown
+    from kvbench.report.tasks import task_comparison_section
+
+    runs = []
+    for order in ("fcfs", "fewest-remaining-calls"):
+        trace, calib, tmp = setup
+        opts = {"calibration": str(calib), "max_num_seqs": 1, "closed_loop": True, "task_order": order}
+        _, summary = run_replay(trace, "engine-sim", opts, out=tmp / f"report-{order}", report=False)
+        runs.append(summary | {"_label": order})
+    section = task_comparison_section(runs)
+    text = render_markdown("t", [section])
+    ratio = ((5 + 3.9 + 9.3) / 3) / ((7 + 3.9 + 8.8) / 3)
+    p99 = (9.3 - 0.02 * (9.3 - 5)) / (8.8 - 0.02 * (8.8 - 7))
+    assert f"mean task completion {ratio:.2f}×, p99 {p99:.2f}×" in text
+    table = section.items[1]
+    assert [row[1] for row in table.rows] == ["fcfs", "fewest-remaining-calls"]
+    assert [row[3] for row in table.rows] == ["3", "3"]
