@@ -194,3 +194,16 @@ def test_the_report_puts_orders_side_by_side_with_their_ratio_to_fcfs(setup):
     table = section.items[1]
     assert [row[1] for row in table.rows] == ["fcfs", "fewest-remaining-calls"]
     assert [row[3] for row in table.rows] == ["3", "3"]
+
+
+def test_a_task_order_always_runs_the_python_loop(setup, monkeypatch):
+    """The compiled loop covers runs without scenarios only; a task order needs the closed loop, which activates
+    the agent-tasks scenario, so it never reaches the compiled loop (which knows nothing of task orders)."""
+    from kvbench.backends.enginesim import compiled_run
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the compiled loop ran a replay with a task order")
+
+    monkeypatch.setattr(compiled_run, "run", refuse)
+    rows, _ = replay(setup, "python-loop", task_order="oldest-task")
+    assert starts_and_finishes(rows) == {c: (float(s), float(f)) for c, (s, f) in EXPECTED["oldest-task"].items()}
