@@ -75,7 +75,8 @@ class FriendlyGroup(LazyGroup):
 # each command `name` is the function `name` of the module kvbench/cli/name.py
 COMMANDS = {
     name: f"kvbench.cli.{name}:{name}"
-    for name in ("trace", "replay", "engine", "audit", "compare", "sweep", "report", "demo", "calibrate", "fidelity")
+    for name in ("trace", "replay", "engine", "audit", "compare", "sweep", "report", "demo", "calibrate", "fidelity",
+                 "experiment")
 }
 
 
