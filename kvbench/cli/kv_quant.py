@@ -95,6 +95,8 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
             raise KvbenchError(f"--memory {memory}: less than one {T}-token block of {model} in {e['label']}")
         e["capacity_gain"] = float(bf16 / e["bytes_per_token"])
         e["bytes_per_token"] = float(e["bytes_per_token"])
+    columns = ["request_id", "input_tokens", "output_tokens", "block_hashes"]
+    rows = pick_requests(table.select(columns).to_pylist(), settings)  # refuses a trace with nothing to measure
     run_dir = RunDir.claim(out, Path("reports") / f"{stamp()}-kv-quant-{trace_path.stem}", overwrite=overwrite,
                            what="kv-quant run", resumable=False)  # fmt: skip
     try:
@@ -104,8 +106,6 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
         hit = {p["capacity_blocks"]: p["hit_rate"]["token"]["all"] for p in summary["points"]}
         for e in entries:
             e["hit_rate"] = hit[e["blocks"]]
-        columns = ["request_id", "input_tokens", "output_tokens", "block_hashes"]
-        rows = pick_requests(table.select(columns).to_pylist(), settings)
         age_format = mixed.old if mixed is not None else kv_format("int2")
         errors = measure(SyntheticKv(geometry, T, settings.seed), rows, formats, mixed, age_format, settings)
     except BaseException:
