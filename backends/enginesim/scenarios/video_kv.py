@@ -200,12 +200,18 @@ class VideoKv(Scenario):
         # no prompt left, the prefill pieces the first running ones with prompt left (Instance.plan).
         decoding = [r for r in inst.running if r.todo == 0]
         prefilling = [r for r in inst.running if r.todo > 0][: len(prefills)]
-        if len(decoding) != len(decode_contexts) or len(prefilling) != len(prefills):
+        steps = 1  # a decode window asks with its mean contexts, c + (k − 1)/2: that gives k
+        if decoding and decode_contexts and not prefills:
+            steps = max(1, round(2 * (decode_contexts[0] - decoding[0].context)) + 1)
+        ahead = (steps - 1) / 2
+        if (
+            len(decoding) != len(decode_contexts)
+            or len(prefilling) != len(prefills)
+            or any(r.context != c for r, (_, c) in zip(prefilling, prefills))
+            or any(r.context + ahead != c for r, c in zip(decoding, decode_contexts))
+        ):
             self.unmatched_steps += 1  # charged in full (never seen on the engine's own plans)
             return 0.0
-        steps = 1  # a decode window asks with its mean contexts, c + (k − 1)/2: that gives k
-        if decoding and not prefills:
-            steps = max(1, round(2 * (decode_contexts[0] - decoding[0].context)) + 1)
         cut_p = [self._skipped(r.row, c) for r, (_, c) in zip(prefilling, prefills)]
         cut_d = [self._skipped(r.row, c) for r, c in zip(decoding, decode_contexts)]
         read = sum(c for _, c in prefills) + sum(decode_contexts)
