@@ -70,6 +70,7 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
         raise KvbenchError(f"--policy {policy!r}: give one eviction policy (the hit rates compare formats)")
     memory_bytes = parse_memory(memory)
     formats = _formats(kv_dtypes)
+    recent = kv_format(kv_dtype, "--kv-dtype")  # checked even without --kv-dtype-old: a typo is never ignored
     check_group(group_size, geometry.head_dim, key_grouping, "--group-size")
     check_group(group_size, geometry.head_dim, value_grouping, "--group-size")
     settings = error_settings or ErrorSettings()
@@ -80,7 +81,7 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
     T = meta.block_size
     mixed = None
     if kv_dtype_old is not None:
-        mixed = MixedPolicy(kv_format(kv_dtype, "--kv-dtype"), kv_format(kv_dtype_old, "--kv-dtype-old"),
+        mixed = MixedPolicy(recent, kv_format(kv_dtype_old, "--kv-dtype-old"),
                             kv_old_after_tokens, T)  # fmt: skip
     lengths = [i + o for i, o in zip(table["input_tokens"].to_pylist(), table["output_tokens"].to_pylist())]
     bf16 = bytes_per_token(geometry, kv_format("bf16"), group_size)
@@ -102,7 +103,7 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
     try:
         capacities = ",".join(str(b) for b in sorted({e["blocks"] for e in entries}))
         _, summary = run_replay(trace_path, "sim", {"policy": policy, "capacity": capacities, "bound": False},
-                                out=run_dir.path / "sim", command=command)  # fmt: skip
+                                out=run_dir.path / "sim", command=f"{command} (its hit-rate run)")  # fmt: skip
         hit = {p["capacity_blocks"]: p["hit_rate"]["token"]["all"] for p in summary["points"]}
         for e in entries:
             e["hit_rate"] = hit[e["blocks"]]

@@ -25,7 +25,7 @@ def _error(x) -> str:
 
 
 def _bytes(x: float) -> str:
-    return f"{int(x):,}" if float(x).is_integer() else f"{x:,.1f}"
+    return f"{x:,.1f}".rstrip("0").rstrip(".")  # 40,960 or 25,125.9
 
 
 def rows(result: dict) -> list[dict]:

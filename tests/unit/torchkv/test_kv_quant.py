@@ -168,6 +168,8 @@ def test_cli_end_to_end(sample_head, tmp_path, monkeypatch):
         (["--memory", "1MiB", "--group-size", "0"], "at least 1 element"),
         (["--memory", "1MiB", "--key-grouping", "token", "--group-size", "5"], "does not divide head_dim 32"),
         (["--memory", "1MiB", "--kv-dtype-old", "int1"], "unknown KV format 'int1'"),
+        (["--memory", "1MiB", "--kv-dtype", "int5"], "--kv-dtype: unknown KV format 'int5'"),
+        (["--memory", "1MiB", "--kv-dtype-old", "int2", "--kv-old-after-tokens", "-5"], "give a number of tokens"),
         (["--memory", "1MiB", "--policy", "lru,fifo"], "give one eviction policy"),
         (["--memory", "1MiB", "--max-context", "100"], "raise --max-context"),
     ],
