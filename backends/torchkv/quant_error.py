@@ -36,6 +36,7 @@ class ErrorSettings:
     queries_per_bucket: int = 8  # query positions per request and bucket
     age_parts: int = 4  # slices of the context for the key-age sensitivity
     seed: int = 0
+    device: str = "cpu"  # where attention and quantization run; K/V are drawn on the CPU generator, then moved
 
 
 def pick_requests(rows: list[dict], settings: ErrorSettings) -> list[dict]:
@@ -86,7 +87,7 @@ class Errors:
         self.buckets: list[np.ndarray] = []
 
     def add(self, errors: torch.Tensor, buckets: torch.Tensor) -> None:
-        self.errors.append(errors.double().numpy())
+        self.errors.append(errors.double().cpu().numpy())
         self.buckets.append(buckets.numpy())
 
     def summary(self, n_buckets: int) -> dict:
@@ -117,16 +118,18 @@ def measure(
     table = {f.name: Errors() for f in formats}
     mixed_errors, age = Errors(), [Errors() for _ in range(settings.age_parts)]
     g, ka, va = settings.group, settings.key_axis, settings.value_axis
+    dev = torch.device(settings.device)
     with torch.inference_mode():
         for row in rows:
             length = min(row["input_tokens"] + row["output_tokens"], settings.max_context)
             positions, buckets = _query_positions(row, edges, settings)
-            lengths = positions + 1  # a query sees itself and everything before it
-            latest = buckets == buckets.max()
+            lengths = (positions + 1).to(dev)  # a query sees itself and everything before it
+            latest = buckets == buckets.max()  # on the CPU, like `buckets`; a copy on the device for device tensors
+            latest_dev = latest.to(dev)
             for layer in layers:
                 k, v = kv.sequence(row["block_hashes"], row["input_tokens"], row["request_id"], length, layer)
-                k, v = grouped(k, "bf16", g, ka), grouped(v, "bf16", g, va)  # the bf16 cache: the reference
-                q = kv.queries(row["request_id"], positions, layer)
+                k, v = grouped(k.to(dev), "bf16", g, ka), grouped(v.to(dev), "bf16", g, va)  # the reference cache
+                q = kv.queries(row["request_id"], positions, layer).to(dev)
                 ref = attention(q, k, v, lengths)
                 for f in formats:
                     out = attention(q, grouped(k, f, g, ka), grouped(v, f, g, va), lengths)
@@ -138,7 +141,9 @@ def measure(
                     out = attention(q, k_recent, v_recent, lengths, old=old)
                     mixed_errors.add(relative_error(out, ref), buckets)
                 if age_format is not None:
-                    _age_sensitivity(q[latest], k, v, lengths[latest], age_format, settings, age, buckets[latest])
+                    _age_sensitivity(
+                        q[latest_dev], k, v, lengths[latest_dev], age_format, settings, age, buckets[latest]
+                    )
     result = {
         "bucket_edges_decode_tokens": edges,
         "layers_measured": layers,
@@ -168,7 +173,7 @@ def _age_sensitivity(q, k, v, lengths, fmt: KvFormat, settings: ErrorSettings, o
     g = settings.group
     k_low, v_low = grouped(k, fmt, g, settings.key_axis), grouped(v, fmt, g, settings.value_axis)
     ref = attention(q, k, v, lengths)
-    pos = torch.arange(k.shape[0]).unsqueeze(0)
+    pos = torch.arange(k.shape[0], device=k.device).unsqueeze(0)
     part_of = (pos * settings.age_parts) // lengths.unsqueeze(1)  # [n, S]: which slice each position is in
     for p in range(settings.age_parts):
         mask = (part_of == p) & (pos < lengths.unsqueeze(1))

@@ -59,7 +59,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     turns by position · base^(-2c/head_dim)."""
     half = x.shape[-1] // 2
     freq = ROPE_BASE ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
-    angle = (positions.double().unsqueeze(-1) * freq).float().unsqueeze(1)  # [n, 1, half]
+    angle = (positions.double().cpu().unsqueeze(-1) * freq).float().unsqueeze(1).to(x.device)  # [n, 1, half]
     cos, sin = angle.cos(), angle.sin()
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
@@ -147,7 +147,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
         mask, k_old, v_old = old
         scores_old = torch.einsum("nhgd,shd->nhgs", qg, k_old) * scale
         scores = torch.where(mask[:, None, None, :], scores_old, scores)
-    visible = torch.arange(k.shape[0]).unsqueeze(0) < lengths.unsqueeze(1)
+    visible = torch.arange(k.shape[0], device=k.device).unsqueeze(0) < lengths.unsqueeze(1)
     p = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
     if old is None:
         out = torch.einsum("nhgs,shd->nhgd", p, v)

@@ -134,6 +134,16 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
     return run_dir.path, result
 
 
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise KvbenchError("--device cuda: no CUDA device here; use --device cpu (or auto)")
+    return device
+
+
 def _names(ctx, param, value):
     return value.strip() if value is not None else value
 
@@ -241,6 +251,14 @@ def _names(ctx, param, value):
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the generative K/V [unit: integer]")
 @click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="where quantization and attention run: cuda when a GPU is present (auto), else cpu; K/V are "
+    "drawn on the CPU generator either way, so both give the same K/V [unit: name]",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False),
     help="run directory; one that holds something is refused unless --overwrite "
@@ -250,14 +268,15 @@ def _names(ctx, param, value):
 @click.option("--plots/--no-plots", default=True, help="draw the report's plot (matplotlib) [unit: on/off]")
 def kv_quant(trace_path, memory, model, kv_dtypes, group_size, key_grouping, value_grouping, kv_dtype_old, kv_dtype,
              kv_old_after_tokens, policy, max_context, n_requests, layers, buckets, queries_per_bucket, age_parts,
-             seed, out, overwrite, plots):  # fmt: skip
+             seed, device, out, overwrite, plots):  # fmt: skip
     """KV formats on one trace: capacity gained (blocks that fit --memory), the sim's hit rate there, and the
     attention error against bf16 by decode position (docs/kv-quantization.md)."""
     from kvbench.backends.torchkv.quant_error import ErrorSettings
     from kvbench.report.kv_quant import markdown_table
 
     settings = ErrorSettings(max_context=max_context, requests=n_requests, layers=layers, buckets=buckets,
-                             queries_per_bucket=queries_per_bucket, age_parts=age_parts, seed=seed)  # fmt: skip
+                             queries_per_bucket=queries_per_bucket, age_parts=age_parts, seed=seed,
+                             device=resolve_device(device))  # fmt: skip
     run_dir, result = run_kv_quant(
         trace_path, memory, model, kv_dtypes=kv_dtypes, group_size=group_size, key_grouping=key_grouping,
         value_grouping=value_grouping, kv_dtype=kv_dtype, kv_dtype_old=kv_dtype_old,
