@@ -94,6 +94,17 @@ def test_half_similarity_drops_every_second_non_key_frame_and_its_blocks(tmp_pat
     assert base["ttft_s"][0] == pytest.approx(lat.prefill_s(288, 0))
 
 
+def test_a_follow_up_turn_hits_the_whole_pruned_prompt_before_it(tmp_path):
+    # r1 is r0's prompt plus 32 tokens of text: 320 tokens, 20 blocks, the first 18 r0's. Pruned, r0 is 192 tokens
+    # in 12 whole blocks; r1's first 12 pruned blocks end at the same original token (287, place 15 of block 17),
+    # so they get r0's pruned ids and r1 hits all 192 tokens, then computes its 32 new ones
+    first = video_request(0, 0.0, WHOLE_CLIP)
+    longer = {**video_request(1, 10.0, WHOLE_CLIP), "input_tokens": 320}
+    longer["block_hashes"] = first["block_hashes"] + ids("follow-up", 2)
+    rows, _ = replay(tmp_path, "follow-up", [first, longer], frame_similarity="0.5")
+    assert rows["hit_tokens"] == [0, 192]
+
+
 def test_measured_similarity_counts_non_key_frames_that_repeat_the_frame_before(tmp_path):
     # frames 0..7 with hashes A A B B B C D D: frames 1, 3 and 7 repeat the one before (frame 4 too, but is a key)
     items = frame_items([1, 1, 2, 2, 2, 3, 4, 4])
