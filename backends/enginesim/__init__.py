@@ -24,6 +24,7 @@ from kvbench import options
 from kvbench.cache import policies as _policies
 from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
 from kvbench.cache.policies.vllm import VllmPool
+from kvbench.cache.policy_options import check_quota_tenants, parse_policy_options, policy_option_params
 from kvbench.cache.prepared import prepare
 from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 from kvbench.errors import KvbenchError
@@ -166,17 +167,21 @@ class EngineSimBackend:
     @classmethod
     def cli_options(cls) -> list[click.Option]:
         scenario_options = [opt for sc in _scenarios.registry().values() for opt in sc.options]
-        return options.cli_options(EngineSimConfig) + scenario_options
+        return options.cli_options(EngineSimConfig) + policy_option_params() + scenario_options
 
     def __init__(self, config: EngineSimConfig | None = None, **kwargs):
-        """`config`, or its fields as keyword arguments; the other keywords are the scenarios' options."""
+        """`config`, or its fields as keyword arguments; the other keywords are the policies' options (--quota,
+        as the sim backend takes them) and the scenarios'."""
         from kvbench.backends.enginesim.roofline import LatencyModel
 
         from kvbench.hardware import load_specs, resolve_hardware, resolve_model
 
-        c, scenario_options = options.build(EngineSimConfig, config, kwargs)
+        c, others = options.build(EngineSimConfig, config, kwargs)
         self.options = c
         self.policies = _policies.parse_names(c.policy)
+        names = {p.name for p in policy_option_params()}
+        self.policy_options = parse_policy_options({k: v for k, v in others.items() if k in names}, self.policies)
+        scenario_options = {k: v for k, v in others.items() if k not in names}
         check_store_options(c.pool_policy, c.pool_put)  # before any replay, as the other names are
         if c.router not in ROUTERS:
             raise KvbenchError(f"unknown router {c.router!r}; choose from: {', '.join(ROUTERS)}")
@@ -188,7 +193,12 @@ class EngineSimBackend:
         self.slo = parse_slo(c.slo)  # checked now, before any replay
         self.settings = {
             **options.record(
-                c, policy=self.policies, hardware=self.hw.name, model=self.model.name, calibration=calib and vars(calib)
+                c,
+                policy=self.policies,
+                hardware=self.hw.name,
+                model=self.model.name,
+                calibration=calib and vars(calib),
+                policy_options=self.policy_options,
             ),
             # scenario options not given (a call from Python rather than the CLI) take their declared defaults
             **{o.name: _declared_default(o) for sc in _scenarios.registry().values() for o in sc.options},
@@ -260,6 +270,7 @@ class EngineSimBackend:
         for sc in scenarios:
             keyed, share_lora = sc.prepare_trace(keyed), sc.share_lora(share_lora)
         prep = prepare(keyed, bs, use_salt=s["salt"], share_lora=share_lora, vllm_cap=pol.name == "vllm")
+        check_quota_tenants(self.policy_options, prep.tenant_names)
         pool_blocks = self.pool_blocks(bs)
         kvb = self.latency.kv_bytes_per_token * bs
         pool_size = self._blocks(s["global_pool"], bs, "--global-pool")
@@ -302,7 +313,7 @@ class EngineSimBackend:
             if pol.cache is VllmPool:
                 cache = QuickPool(prep, pool_blocks, {}, keys)
             else:
-                cache = pol.cache(prep, pool_blocks, {})
+                cache = pol.cache(prep, pool_blocks, self.policy_options)
             tiers = self._tiers(bs, pool)
             inst = Instance(i, cache, tiers, self.latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
             inst.scenarios = scenarios

@@ -83,6 +83,19 @@ class ReplayCommand(click.Command):
     show_default=True,
     help="fraction of requests (by arrival) left out of steady-state metrics",
 )
+@click.option(
+    "--tenant-weights",
+    metavar="TENANT=W,...",
+    help="what each tenant pays for or is entitled to, relative (e.g. gold=3,free=1): fairness by entitlement "
+    "compares each tenant's share of the hit tokens with its share of these weights",
+)
+@click.option(
+    "--tenant-slo",
+    metavar="TENANT:ttft=MS,tpot=MS;...",
+    help="TTFT/TPOT targets per tenant, in ms ('*' for the others; e.g. 'gold:ttft=200,tpot=30;*:ttft=2000'): "
+    "SLO attainment per tenant and whether each one's TTFT p99 is within its TTFT target, for backends that "
+    "model or measure latency [default: the trace's slo_ttft_ms / slo_tpot_ms columns]",
+)
 @click.option("--json", "as_json", is_flag=True, help="print summary.json to stdout")
 @click.option(
     "--report/--no-report",
@@ -148,6 +161,8 @@ def replay(
     out,
     overwrite,
     warmup,
+    tenant_weights,
+    tenant_slo,
     as_json,
     report,
     stream,
@@ -165,7 +180,10 @@ def replay(
     Example: kvbench replay traces/samples/chat.parquet --policy lru,radix-lru --capacity 1000,3000,10000
     """
     from kvbench.run.backend import Progress as PointProgress
+    from kvbench.run.fairness import parse_tenant_slo, parse_tenant_weights
     from kvbench.run.runner import run_replay
+
+    fairness = {"tenant_weights": parse_tenant_weights(tenant_weights), "tenant_slo": parse_tenant_slo(tenant_slo)}
 
     if backend not in backend_names():
         raise KvbenchError(f"unknown backend {backend!r}; installed: {', '.join(backend_names())}")
@@ -198,6 +216,7 @@ def replay(
             executor=executor,
             ray_address=ray_address,
             overwrite=overwrite,
+            fairness={k: v for k, v in fairness.items() if v} or None,
             force=force,
             trace_cache=trace_cache,
         )

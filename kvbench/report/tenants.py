@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvbench.report.fairness_views import views_items
 from kvbench.report.page import Figure, Section, Table, pct, svg
 from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, plain
 from kvbench.trace.metrics import NO_LABEL
@@ -240,6 +241,7 @@ def fairness_section(summary: dict) -> Section:
             f"{zero[0][0]}: {len(sample)} tenant(s){why}), and no ratio divides by 0. 'max/min with hits' leaves "
             "those tenants out; summary.json's by_tenant lists every tenant with its requests and hit rate."
         )
+    items += views_items(points)
     items += heat_maps(points)
     return Section("Tenant fairness", items)
 

@@ -29,6 +29,8 @@ from kvbench.run.backend import (
     TraceCacheUser,
     protocol_of,
 )
+from kvbench.run.fairness import add_fairness_views, has_tenants
+from kvbench.run.fairness import check_options as check_fairness
 from kvbench.run.plugins import load_backend
 from kvbench.run.results import WRITE_ROWS, ResultWriter
 from kvbench.run.rundir import RunDir, stamp
@@ -142,6 +144,7 @@ def run_replay(
     force: bool = False,
     trace_cache: bool = True,
     trace_label: str | None = None,
+    fairness: dict | None = None,
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
     are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
@@ -153,7 +156,8 @@ def run_replay(
     A run that fails before it measured anything leaves no directory behind. `trace_cache`: an offline replay of
     a trace read whole keeps what reading and preparing it computes in the trace cache, and loads it from there
     on the next run of the same file (`tracecache`; results are the same either way). `trace_label`: how the
-    results name the trace when `trace_path` is a copy of it (a sweep's point on another node)."""
+    results name the trace when `trace_path` is a copy of it (a sweep's point on another node). `fairness`:
+    {"tenant_weights": …, "tenant_slo": …} as `kvbench.run.fairness` parses them, for its per-tenant views."""
     trace_path = Path(trace_path)
     backend, protocol = _make_backend(backend_name, backend_options)
     online = protocol is OnlineBackend
@@ -162,12 +166,13 @@ def run_replay(
         raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
     light = isinstance(backend, TraceCacheUser)
     trace = _open_trace(trace_path, False if online else stream, warmup, cache=trace_cache and not online, light=light)
+    check_fairness(trace.table, fairness, trace_path.name)
     if trace.scanned is not None and protocol is not StreamingBackend:
         raise KvbenchError(
             f"backend {backend_name} needs the whole trace in memory and cannot stream it; "
             "replay it with --no-stream, or cut the trace shorter"
         )
-    config = redact({**backend.config(), "warmup": warmup})
+    config = redact({**backend.config(), "warmup": warmup, **({"fairness": fairness} if fairness else {})})
     if resume:
         _check_resumable(Path(out), config, force)
     claimed = RunDir.claim(
@@ -383,8 +388,8 @@ def _run_offline(backend: OfflineBackend, trace, run_dir, summary, warmup, progr
     finally:
         writer.close()
         table = trace.table
-        if report and trace.cache is not None:  # the reports read the block ids, which a cached trace left out
-            table = trace.cache.with_block_hashes(table)
+        if trace.cache is not None and (report or has_tenants(table)):
+            table = trace.cache.with_block_hashes(table)  # the reports and the fairness views read the block ids
         _finish(run_dir, summary, report, table if scanned is None else None)
 
 
@@ -407,6 +412,7 @@ def _write_and_sum(point, trace: _Trace, writer: ResultWriter, warmup: float) ->
 
 
 def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:
+    add_fairness_views(run_dir, summary, trace, summary["config"].get("fairness") or {})
     if len(summary["points"]) == 1:  # a single point's metrics are also the run's top-level keys
         only = summary["points"][0]
         for key in ("hit_rate", "evictions", "fairness", "by_tenant", "by_workload", "by_modality", "latency"):
