@@ -12,6 +12,7 @@ import click
 from kvbench.errors import KvbenchError
 from kvbench.redact import redact_argv
 from kvbench.run.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
+from kvbench.run.fairness import describe_guarantee
 from kvbench.run.plugins import backend_names, load_backend
 from kvbench.run.runner import LIVE_EXECUTORS
 from kvbench.run.saturation import describe as describe_saturation
@@ -272,6 +273,9 @@ def _print_points(summary: dict) -> None:
         if p.get("saturation"):  # engine-sim and live points: whether the deployment kept up with the load
             line = describe_saturation(p["saturation"])
             click.secho(f"{'load':>28}: {line}", fg="yellow" if p["saturation"]["saturated"] else None)
+        guarantee = (p.get("fairness") or {}).get("p99_guarantee")
+        if guarantee:  # --tenant-slo or the trace's targets: can this pool promise every tenant its TTFT p99
+            click.secho(f"{'tenant TTFT p99':>28}: {describe_guarantee(p)}", fg=None if guarantee["met"] else "yellow")
     if summary.get("workers"):
         workers = summary["workers"]
         alive = sum(w["status"] == "alive" for w in workers)

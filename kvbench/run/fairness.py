@@ -218,3 +218,14 @@ def add_fairness_views(run_dir: Path, summary: dict, table: pa.Table | None, opt
         point["tenant_fairness"] = per
         point.setdefault("fairness", {}).setdefault("jain", {}).update(facts.pop("jain"))
         point["fairness"].update(facts)
+
+
+def describe_guarantee(point: dict) -> str:
+    """One line for the terminal: whether every tenant's TTFT p99 is within its target, and who misses by how much."""
+    g = point["fairness"]["p99_guarantee"]
+    if g["met"]:
+        return f"within target for all {g['tenants']} tenants that have one"
+    rows = {r["name"]: r for r in point["tenant_fairness"]}
+    missed = [f"{t} ({rows[t]['ttft_p99_ms']:.0f} ms > {rows[t]['ttft_p99_target_ms']:g} ms)" for t in g["missed"][:4]]
+    more = f" and {len(g['missed']) - 4} more" if len(g["missed"]) > 4 else ""
+    return f"missed by {len(g['missed'])} of {g['tenants']} tenants: {', '.join(missed)}{more}"
