@@ -64,6 +64,9 @@ def age_table(result: dict) -> Table | None:
     return Table(header, [["attention error, latest queries", *map(_error, age["mean_error"])]])
 
 
+FLOOR = 1e-4  # where bf16's zero error is drawn on a log axis
+
+
 def _figure(result: dict) -> Figure:
     import matplotlib
 
@@ -72,20 +75,25 @@ def _figure(result: dict) -> Figure:
 
     edges = result["errors"]["bucket_edges_decode_tokens"]
     mids = [(lo + hi) / 2 for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     for r in rows(result):
         ys = r["error"]["by_bucket"]
-        if r["format"] != "bf16":
-            ax.plot([m for m, y in zip(mids, ys) if y], [y for y in ys if y], marker="o", label=r["label"])
-        bx.scatter(r["capacity_gain"], max(r["error"]["mean"], 1e-6), label=r["label"])
+        line = ax.plot([m for m, y in zip(mids, ys) if y], [y for y in ys if y], marker="o", label=r["label"])
+        color = line[0].get_color() if line else None
+        x = max(r["error"]["mean"], FLOOR)
+        bx.scatter(x, r["hit_rate"], color=color)
+        bx.annotate(r["label"], (x, r["hit_rate"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_yscale("log"), ax.set_xlabel("decode position (tokens after the prompt)")
-    ax.set_ylabel("attention output relative error"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
-    bx.set_yscale("log"), bx.set_xlabel("capacity vs bf16 (×)"), bx.set_ylabel("mean relative error")
-    bx.grid(alpha=0.3)
-    for r in rows(result):
-        bx.annotate(r["label"], (r["capacity_gain"], max(r["error"]["mean"], 1e-6)), fontsize=7)
-    fig.tight_layout()
-    return Figure(svg(fig), "Left: error by decode position. Right: capacity gained against mean error (bf16 at 1e-6).")
+    ax.set_ylabel("attention output relative error"), ax.grid(alpha=0.3)
+    bx.set_xscale("log"), bx.set_xlabel("mean attention error (bf16 drawn at 1e-4)")
+    bx.set_ylabel("token hit rate at the memory's blocks"), bx.grid(alpha=0.3)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return Figure(
+        svg(fig),
+        "Left: error by decode position (bf16, zero, not drawn). Right: what each format buys "
+        "(hit rate) against what it costs (attention error).",
+    )
 
 
 def sections(result: dict, plots: bool = True) -> list[Section]:
