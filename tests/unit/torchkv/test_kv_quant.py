@@ -23,6 +23,8 @@ from kvbench.backends.torchkv.synthetic_kv import SyntheticKv, attention, relati
 from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
+from kvbench.report.kv_quant import write_reports
+from kvbench.run.runner import run_replay
 
 
 def test_int4_group_by_hand():
@@ -153,6 +155,11 @@ def test_cli_end_to_end(sample_head, tmp_path, monkeypatch):
     assert result["errors"]["formats"]["bf16"]["mean"] == 0 < result["errors"]["formats"]["int4"]["mean"]
     for name in ("report.html", "report.md", "sim/summary.json"):
         assert (runs[0] / name).exists()
+    # the int4 row's hit rate is the sim's own at 102 blocks, run apart here
+    _, alone = run_replay(trace, "sim", {"policy": "lru", "capacity": "102", "bound": False}, out=tmp_path / "alone")
+    assert rows["int4"]["hit_rate"] == alone["points"][0]["hit_rate"]["token"]["all"]
+    write_reports(runs[0], result, plots=True)  # the plot too (the command ran with --no-plots, to be quick)
+    assert "<svg" in (runs[0] / "report.html").read_text()
     report = (runs[0] / "report.md").read_text()
     for section in ("capacity gained vs accuracy lost", "Attention error by decode position", "What the K/V are",
                     "| int4 | 160 | 3.20× | 102 |"):  # fmt: skip
