@@ -187,6 +187,19 @@ def parse_capacity(
     return Capacity(str(text).strip(), blocks)
 
 
+def parse_size(text: str, option: str) -> int:
+    """'16GiB' / '40 GB' / '512MiB' / '1000000' (bytes) -> whole bytes, rounded down; a KvbenchError naming `option`
+    otherwise. The byte units of `parse_capacity`, for options that are a memory size only."""
+    m = _PATTERN.match(str(text).lower().replace("_", ""))
+    unit = (m.group(2) + m.group(3)) if m else None
+    if not m or (unit and unit not in _UNITS) or (unit and _UNITS[unit][0] != "bytes"):
+        raise KvbenchError(f"{option} {text!r} is not a size; write e.g. 16GiB, 40GB or 512MiB")
+    size = int(_exact(m.group(1)) * (_UNITS[unit][1] if unit else 1))
+    if size < 1:
+        raise KvbenchError(f"{option} {text!r} is less than one byte")
+    return size
+
+
 def parse_capacities(
     spec: str, block_size: int, model: str | None = None, kv_dtype: str = "bf16", option: str = "--capacity"
 ) -> list[Capacity]:

@@ -1,14 +1,15 @@
-"""`kvbench experiment`: studies that combine several backends on one trace into one result folder and report
-(each subcommand a module of its own, imported when used)."""
+"""`kvbench experiment`: studies that combine several backends on one trace into one result folder and report.
+Each is a click command that a backend declares under the `kvbench.experiments` entry points (the torch
+backend's `kv-quant`), imported when used: the core lists them and depends on no backend."""
 
 from __future__ import annotations
 
 import click
 
 from kvbench.cli import LazyGroup
+from kvbench.registry import entry_points
 
-# each experiment `name` is the command `attribute` of the module kvbench/cli/<module>.py
-EXPERIMENTS = {"kv-quant": "kvbench.cli.kv_quant:kv_quant"}
+EXPERIMENTS = {ep.name: ep.value for ep in entry_points("kvbench.experiments")}
 
 
 @click.group(cls=LazyGroup, lazy=EXPERIMENTS)

@@ -7,33 +7,17 @@ requests, by decode position; optionally a mixed policy (older blocks in fewer b
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 import click
 
-from kvbench.cache.capacity import MODELS
+from kvbench.cache.capacity import MODELS, parse_size
 from kvbench.errors import KvbenchError
 from kvbench.run.rundir import RunDir, stamp
 
 DEFAULT_FORMATS = "bf16,fp8,int8,fp4,int4,int2"
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*$")
-_BYTES = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_memory(text: str) -> int:
-    """'16GiB' → 17179869184 bytes; '40GB' → 40·10⁹; '1000000' → bytes as written (whole bytes, rounded down)."""
-    m = _SIZE.match(str(text).lower())
-    if not m:
-        raise KvbenchError(f"--memory {text!r} is not a size; write e.g. 16GiB, 40GB or 512MiB")
-    size = int(Fraction(m.group(1)) * _BYTES[m.group(2)])
-    if size < 1:
-        raise KvbenchError(f"--memory {text!r} is less than one byte")
-    return size
 
 
 def _formats(spec: str) -> list:
@@ -57,6 +41,7 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
     from kvbench.backends.torchkv.quant_error import ErrorSettings, measure, pick_requests
     from kvbench.backends.torchkv.quantization import MixedPolicy, bytes_per_token, check_group, kv_format
     from kvbench.backends.torchkv.synthetic_kv import SyntheticKv
+
     from kvbench.report.kv_quant import write_reports
     from kvbench.run.runner import run_replay
     from kvbench.trace.validation import read_valid_trace
@@ -68,7 +53,7 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
         raise KvbenchError(f"--model {model}: MLA caches one latent, not K and V; choose a model with K/V heads")
     if "," in policy:
         raise KvbenchError(f"--policy {policy!r}: give one eviction policy (the hit rates compare formats)")
-    memory_bytes = parse_memory(memory)
+    memory_bytes = parse_size(memory, "--memory")
     formats = _formats(kv_dtypes)
     recent = kv_format(kv_dtype, "--kv-dtype")  # checked even without --kv-dtype-old: a typo is never ignored
     check_group(group_size, geometry.head_dim, key_grouping, "--group-size")
@@ -272,6 +257,7 @@ def kv_quant(trace_path, memory, model, kv_dtypes, group_size, key_grouping, val
     """KV formats on one trace: capacity gained (blocks that fit --memory), the sim's hit rate there, and the
     attention error against bf16 by decode position (docs/kv-quantization.md)."""
     from kvbench.backends.torchkv.quant_error import ErrorSettings
+
     from kvbench.report.kv_quant import markdown_table
 
     settings = ErrorSettings(max_context=max_context, requests=n_requests, layers=layers, buckets=buckets,
