@@ -93,7 +93,8 @@ class ReplayCommand(click.Command):
 @click.option(
     "--tenant-slo",
     metavar="TENANT:ttft=MS,tpot=MS;...",
-    help="TTFT/TPOT targets per tenant, in ms ('*' for the others; e.g. 'gold:ttft=200,tpot=30;*:ttft=2000'): "
+    help="TTFT/TPOT/E2EL targets per tenant, in ms, as --slo ('*' for the others; e.g. "
+    "'gold:ttft=200,tpot=30;*:ttft=2000'): "
     "SLO attainment per tenant and whether each one's TTFT p99 is within its TTFT target, for backends that "
     "model or measure latency [default: the trace's slo_ttft_ms / slo_tpot_ms columns]",
 )

@@ -76,22 +76,20 @@ def distribution(values, unit_scale: float = 1000.0) -> dict | None:
     }
 
 
-def parse_slo(text: str | None) -> dict[str, float]:
-    """'ttft=500,tpot=50' (milliseconds) -> {"ttft_ms": 500.0, "tpot_ms": 50.0}."""
+def parse_slo(text: str | None, option: str = "--slo") -> dict[str, float]:
+    """'ttft=500,tpot=50' (milliseconds) -> {"ttft_ms": 500.0, "tpot_ms": 50.0}; errors name `option`."""
+    from kvbench.errors import KvbenchError
+
     slo = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         key, _, value = part.partition("=")
         key = key.strip().lower().removesuffix("_ms")
         if key not in SLO_KEYS:
-            from kvbench.errors import KvbenchError
-
-            raise KvbenchError(f"--slo {part!r}: use ttft=MS, tpot=MS or e2el=MS, e.g. --slo ttft=500,tpot=50")
+            raise KvbenchError(f"{option} {part!r}: use ttft=MS, tpot=MS or e2el=MS, e.g. ttft=500,tpot=50")
         try:
             slo[SLO_KEYS[key]] = float(value)
         except ValueError:
-            from kvbench.errors import KvbenchError
-
-            raise KvbenchError(f"--slo {part!r}: {value!r} is not a number of milliseconds") from None
+            raise KvbenchError(f"{option} {part!r}: {value!r} is not a number of milliseconds") from None
     return slo
 
 

@@ -5,7 +5,7 @@
   repeats little cannot hit much, whatever the policy: this asks how much of what it could get it got;
 - **by entitlement**: each tenant's share of all hit tokens (the prefill the cache saved) over its share of
   `--tenant-weights` (what it pays for or is promised): 1 when every tenant gets what it is entitled to;
-- **by SLO**: each tenant's share of answered requests within its TTFT/TPOT targets (`--tenant-slo`, else the
+- **by SLO**: each tenant's share of answered requests within its TTFT/TPOT/E2EL targets (`--tenant-slo`, else the
   trace's slo_ttft_ms / slo_tpot_ms columns), and whether its TTFT p99 is within its TTFT target: the check of
   "can this pool promise every tenant its p99".
 
@@ -22,10 +22,9 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.errors import KvbenchError, KvbenchWarning
+from kvbench.live.latency import parse_slo
 from kvbench.trace.compute import call, fill_null, index_in, to_text
 from kvbench.trace.metrics import NO_LABEL, jain_index
-
-SLO_NAMES = {"ttft": "ttft_ms", "tpot": "tpot_ms"}
 
 
 def parse_tenant_weights(text: str | None) -> dict[str, float]:
@@ -45,23 +44,14 @@ def parse_tenant_weights(text: str | None) -> dict[str, float]:
 
 
 def parse_tenant_slo(text: str | None) -> dict[str, dict[str, float]]:
-    """'gold:ttft=200,tpot=30;free:ttft=2000' (milliseconds; '*' for tenants not named) ->
+    """'gold:ttft=200,tpot=30;free:ttft=2000' (milliseconds, as --slo; '*' for tenants not named) ->
     {"gold": {"ttft_ms": 200, "tpot_ms": 30}, "free": {"ttft_ms": 2000}}."""
     out: dict[str, dict[str, float]] = {}
     for spec in filter(None, (s.strip() for s in (text or "").split(";"))):
         tenant, sep, targets = spec.partition(":")
         if not sep or not tenant.strip():
             raise KvbenchError(f"--tenant-slo {spec!r}: use TENANT:ttft=MS,tpot=MS, tenants separated by ';'")
-        mine = out.setdefault(tenant.strip(), {})
-        for part in filter(None, (p.strip() for p in targets.split(","))):
-            key, _, value = part.partition("=")
-            key = key.strip().lower().removesuffix("_ms")
-            if key not in SLO_NAMES:
-                raise KvbenchError(f"--tenant-slo {spec!r}: targets are ttft=MS and tpot=MS")
-            try:
-                mine[SLO_NAMES[key]] = float(value)
-            except ValueError:
-                raise KvbenchError(f"--tenant-slo {spec!r}: {value!r} is not a number of milliseconds") from None
+        out.setdefault(tenant.strip(), {}).update(parse_slo(targets, "--tenant-slo"))
     return out
 
 
@@ -110,11 +100,11 @@ def _tenants(table) -> np.ndarray:
 
 
 def _targets(table, rows_tenants: np.ndarray, tenant_slo: dict) -> dict[str, np.ndarray]:
-    """Per request: its TTFT and TPOT targets in ms (NaN: none). --tenant-slo first ('*' for the others), then
-    the trace's own columns."""
+    """Per request: its TTFT, TPOT and E2EL targets in ms (NaN: none). --tenant-slo first ('*' for the others),
+    then the trace's own columns (TTFT and TPOT)."""
     n = len(rows_tenants)
     out = {}
-    for key, column in (("ttft_ms", "slo_ttft_ms"), ("tpot_ms", "slo_tpot_ms")):
+    for key, column in (("ttft_ms", "slo_ttft_ms"), ("tpot_ms", "slo_tpot_ms"), ("e2el_ms", None)):
         values = np.full(n, np.nan)
         if column in table.column_names:
             values = fill_null(table.column(column), math.nan).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -140,6 +130,7 @@ def fairness_views(rows: pa.Table, table: pa.Table, block_size: int, weights: di
     if has_latency:
         ttft = fill_null(rows.column("ttft_s"), math.nan).to_numpy(zero_copy_only=False) * 1000.0
         tpot = fill_null(rows.column("tpot_s"), math.nan).to_numpy(zero_copy_only=False) * 1000.0
+        e2el = fill_null(rows.column("e2el_s"), math.nan).to_numpy(zero_copy_only=False) * 1000.0
         targets = _targets(table, tenants, tenant_slo)
     names = sorted(set(tenants.tolist()))
     total_hit, total_w = max(int(hit[ok].sum()), 1), sum(weights.get(t, 0.0) for t in names)
@@ -156,7 +147,7 @@ def fairness_views(rows: pa.Table, table: pa.Table, block_size: int, weights: di
             row["entitlement"] = weights.get(name, 0.0) / total_w
             row["share_of_entitlement"] = row["hit_share"] / row["entitlement"] if row["entitlement"] else None
         if has_latency:
-            row.update(_slo_facts(sel, ttft, tpot, targets))
+            row.update(_slo_facts(sel, {"ttft_ms": ttft, "tpot_ms": tpot, "e2el_ms": e2el}, targets))
         per.append(row)
     facts = {"jain": {}}
     for key, view in (("hit_rate_of_bound", "hit_rate_of_bound"), ("share_of_entitlement", "share_of_entitlement"),
@@ -171,11 +162,14 @@ def fairness_views(rows: pa.Table, table: pa.Table, block_size: int, weights: di
     return per, facts
 
 
-def _slo_facts(sel, ttft, tpot, targets) -> dict:
+def _slo_facts(sel, times: dict, targets: dict) -> dict:
     """A tenant's SLO attainment (answered requests within every target they have) and its TTFT p99 against
-    its TTFT target (the strictest when its requests differ)."""
-    has_target = sel & (np.isfinite(targets["ttft_ms"]) | np.isfinite(targets["tpot_ms"]))
-    good = has_target & ~(ttft > targets["ttft_ms"]) & ~(tpot > targets["tpot_ms"])  # NaN never breaks one
+    its TTFT target (the strictest when its requests differ). `times` and `targets`: ms per request by key."""
+    has_target = sel & np.any([np.isfinite(t) for t in targets.values()], axis=0)
+    good = has_target.copy()
+    for key, target in targets.items():
+        good &= ~(times[key] > target)  # a NaN (no target, or no TPOT with one output token) never breaks one
+    ttft = times["ttft_ms"]
     mine = ttft[sel & np.isfinite(ttft)]
     p99 = float(np.percentile(mine, 99)) if mine.size else None
     ttft_targets = targets["ttft_ms"][sel & np.isfinite(targets["ttft_ms"])]

@@ -122,8 +122,10 @@ def test_bad_fairness_options_are_refused_before_the_run(trace, tmp_path):
         parse_tenant_weights("A=0")
     with pytest.raises(KvbenchError, match="TENANT:ttft"):
         parse_tenant_slo("ttft=200")
-    with pytest.raises(KvbenchError, match="ttft=MS and tpot=MS"):
+    with pytest.raises(KvbenchError, match="--tenant-slo 'e2e=5': use ttft=MS, tpot=MS or e2el=MS"):
         parse_tenant_slo("A:e2e=5")
+    both = {"A": {"ttft_ms": 1.0, "e2el_ms": 9.0}, "B": {"tpot_ms": 2.0}}
+    assert parse_tenant_slo("A:ttft=1,e2el=9; B:tpot=2") == both
     out = tmp_path / "never"
     r = CliRunner().invoke(main, ["replay", str(trace), "--policy", "lru", "--capacity", "10", "--tenant-weights",
                                   "A=1,C=2", "--out", str(out)])  # fmt: skip
