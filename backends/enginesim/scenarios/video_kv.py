@@ -2,10 +2,10 @@
 adjacent frames are largely the same picture.
 
 `--frame-similarity S` (a share, or `measured` from repeated frame hashes): the redundant non-key frames
-(video_frames.py says which) are deduplicated against the frame before them: their tokens are taken out of the
+(_video_frames.py says which) are deduplicated against the frame before them: their tokens are taken out of the
 prompt before the engine sees it, as video token-pruning methods drop them before the LLM, so their KV is
 never computed, held, moved between tiers or read. The pool then holds fewer blocks per video request; the
-blocks after the first removed frame are renamed (video_frames.pruned_block_ids) so copies of a clip still
+blocks after the first removed frame are renamed (_video_frames.pruned_block_ids) so copies of a clip still
 share them. KV compression by the same ratio saves the same capacity and bytes moved, but would still compute
 the frames (not modelled).
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import click
 import pyarrow as pa
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
-from kvbench.backends.enginesim.scenarios.video_frames import (
+from kvbench.backends.enginesim.scenarios._video_frames import (
     layout,
     parse_similarity,
     pruned_block_ids,

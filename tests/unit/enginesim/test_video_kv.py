@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from kvbench.backends.enginesim.roofline import LatencyModel
-from kvbench.backends.enginesim.scenarios.video_frames import layout, pruned_block_ids
+from kvbench.backends.enginesim.scenarios._video_frames import layout, pruned_block_ids
 
 from kvbench.errors import KvbenchError
 from kvbench.hardware import resolve_hardware, resolve_model
