@@ -15,26 +15,29 @@ def views_items(points: list[dict]) -> list:
     have = [p for p in points if p.get("tenant_fairness")]
     if not have:
         return []
+    # a column per view some point has (entitlement needs --tenant-weights, SLO ones a modeled or measured TTFT)
+    views = [
+        (key, title)
+        for key, title in (
+            ("hit_rate_of_bound", "Jain, hit rate of own bound"),
+            ("share_of_entitlement", "Jain, share of entitlement"),
+            ("slo_attainment", "Jain, SLO attainment"),
+        )
+        if any(any(key in r for r in p["tenant_fairness"]) for p in have)
+    ]
+    guarantee = any("p99_guarantee" in p["fairness"] for p in have)
     rows = []
     for p in have:
         jain = p["fairness"].get("jain", {})
-        guarantee = p["fairness"].get("p99_guarantee")
-        rows.append(
-            [
-                p["name"],
-                _num(jain.get("hit_rate_of_bound")),
-                _num(jain.get("share_of_entitlement")),
-                _num(jain.get("slo_attainment")),
-                _guarantee(guarantee),
-            ]
-        )
+        row = [p["name"], *(_jain(jain.get(key)) for key, _ in views)]
+        rows.append(row + ([_guarantee(p["fairness"].get("p99_guarantee"))] if guarantee else []))
+    header = ["point", *(title for _, title in views)] + (["TTFT p99 guarantee"] if guarantee else [])
     items: list = [
         "Fairness three more ways (docs/semantics.md, Fairness): Jain's index over each tenant's hit rate divided by "
         "its own bound (what an unbounded cache gives its requests alone), over its share of the hit tokens divided "
         "by its share of --tenant-weights, and over its SLO attainment; the TTFT p99 guarantee holds when every "
         "tenant with a TTFT target has its p99 within it.",
-        Table(["point", "Jain, hit rate of own bound", "Jain, share of entitlement", "Jain, SLO attainment",
-               "TTFT p99 guarantee"], rows),  # fmt: skip
+        Table(header, rows),
     ]
     for p in have[:MAX_POINTS]:
         tenants = sorted(p["tenant_fairness"], key=lambda r: -r["requests"])[:MAX_TENANTS]
@@ -52,16 +55,19 @@ def _columns(tenants: list[dict]) -> list[tuple]:
     cols = [("tenant", lambda r: r["name"]), ("requests", lambda r: plain(r["requests"])),
             ("hit rate", lambda r: pct(r["hit_rate"]))]  # fmt: skip
     if any("own_bound" in r for r in tenants):
-        cols += [("own bound", lambda r: pct(r["own_bound"])), ("of bound", lambda r: _num(r["hit_rate_of_bound"]))]
+        cols += [
+            ("own bound", lambda r: pct(r["own_bound"])),
+            ("of bound", lambda r: _num(r["hit_rate_of_bound"], "no reuse to get")),
+        ]
     if any("entitlement" in r for r in tenants):
         cols += [
             ("hit share", lambda r: pct(r["hit_share"])),
             ("entitled", lambda r: pct(r["entitlement"])),
-            ("share / entitled", lambda r: _num(r["share_of_entitlement"])),
+            ("share / entitled", lambda r: _num(r["share_of_entitlement"], "no weight")),
         ]
     if any(r.get("ttft_p99_ms") is not None for r in tenants):
         cols += [
-            ("SLO attainment", lambda r: pct(r["slo_attainment"]) if r.get("slo_attainment") is not None else "–"),
+            ("SLO attainment", lambda r: "no target" if r.get("slo_attainment") is None else pct(r["slo_attainment"])),
             ("TTFT p99 / target", _p99_cell),
         ]
     return cols
@@ -70,7 +76,7 @@ def _columns(tenants: list[dict]) -> list[tuple]:
 def _p99_cell(r: dict) -> str:
     p99, target = r.get("ttft_p99_ms"), r.get("ttft_p99_target_ms")
     if p99 is None:
-        return "–"
+        return "none answered"
     if target is None:
         return f"{plain(p99, 3)} ms / none"
     return f"{plain(p99, 3)} / {plain(target, 3)} ms {'met' if r['ttft_p99_met'] else 'MISSED'}"
@@ -85,5 +91,9 @@ def _guarantee(g: dict | None) -> str:
     return f"missed by {len(g['missed'])} of {g['tenants']}: {missed}"
 
 
-def _num(value) -> str:
-    return "–" if value is None else plain(value, 3)
+def _num(value, missing: str) -> str:
+    return missing if value is None else plain(value, 3)
+
+
+def _jain(value) -> str:
+    return "undefined (all 0)" if value is None else plain(value, 3)

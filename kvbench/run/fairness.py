@@ -57,6 +57,7 @@ def parse_tenant_slo(text: str | None) -> dict[str, dict[str, float]]:
 
 def own_bounds(table: pa.Table, block_size: int) -> dict[str, float]:
     """Per tenant: token hit rate of an unbounded cache fed only that tenant's requests (prefix rule)."""
+    from kvbench.cache.densify import numbered_chunks
     from kvbench.cache.prepared import fold_isolation
     from kvbench.trace.stats import infinite_cache_hits
 
@@ -67,7 +68,7 @@ def own_bounds(table: pa.Table, block_size: int) -> dict[str, float]:
     for name in sorted(set(tenants.tolist())):
         rows = np.flatnonzero(tenants == name)
         mine = call("array_take", keys, pa.array(rows))
-        hits = np.minimum(infinite_cache_hits(mine) * block_size, inp[rows])
+        hits = np.minimum(infinite_cache_hits(mine, number=numbered_chunks) * block_size, inp[rows])
         total = int(inp[rows].sum())
         out[name] = float(hits.sum()) / total if total else 0.0
     return out
@@ -188,7 +189,7 @@ def add_fairness_views(run_dir: Path, summary: dict, table: pa.Table | None, opt
     from kvbench.run.results import read_requests
 
     if table is None:  # streamed: the own bounds would need another pass over every tenant's block ids
-        if any(len(p.get("by_tenant") or ()) > 1 for p in summary["points"]):
+        if options:  # asked for (--tenant-weights, --tenant-slo): say they are missing, and why
             why = "they need the trace in memory; replay with --no-stream for them"
             summary.setdefault("skipped", []).append({"what": "tenant fairness views", "why": why})
             warnings.warn(f"tenant fairness views skipped: {why}", KvbenchWarning, stacklevel=2)
@@ -203,12 +204,12 @@ def add_fairness_views(run_dir: Path, summary: dict, table: pa.Table | None, opt
     bounds = own_bounds(table, block_size)
     weights, slo = options.get("tenant_weights") or {}, options.get("tenant_slo") or {}
     for point in summary["points"]:
-        mine = rows.filter(call("equal", rows.column("point"), pa.scalar(point["name"])))
+        mine = call("filter", rows, call("equal", rows.column("point"), pa.scalar(point["name"])))
         if mine.num_rows != table.num_rows:
             continue  # a point cut short (interrupted): its rows do not line up with the trace
         position = index_in(mine.column("request_id"), table.column("request_id").combine_chunks())
         order = np.argsort(np.asarray(position))
-        per, facts = fairness_views(mine.take(pa.array(order)), table, block_size, weights, slo, bounds)
+        per, facts = fairness_views(call("take", mine, pa.array(order)), table, block_size, weights, slo, bounds)
         point["tenant_fairness"] = per
         point.setdefault("fairness", {}).setdefault("jain", {}).update(facts.pop("jain"))
         point["fairness"].update(facts)

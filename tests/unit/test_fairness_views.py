@@ -6,13 +6,14 @@ shared one."""
 from __future__ import annotations
 
 import json
+from unittest.mock import ANY
 
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchError, KvbenchWarning
 from kvbench.run.fairness import parse_tenant_slo, parse_tenant_weights
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import new_meta, write_trace
@@ -113,6 +114,18 @@ def test_quota_partitions_engine_sim_pools(trace, tmp_path):
     assert tenants_of(capped["points"][0])["B"]["hit_rate"] == 0.25  # B's share holds all it needs
     with pytest.raises(KvbenchError, match="quota"):
         run_replay(trace, "engine-sim", {**opts, "quota": "nobody=1"}, out=tmp_path / "bad", report=False)
+
+
+def test_a_streamed_replay_says_it_left_the_views_out_when_they_were_asked_for(trace, tmp_path):
+    opts = {"policy": "lru", "capacity": "10", "bound": False}
+    with pytest.warns(KvbenchWarning, match="tenant fairness views skipped: they need the trace in memory"):
+        _, summary = run_replay(
+            trace, "sim", opts, out=tmp_path / "s", stream=True, report=False, fairness={"tenant_weights": {"A": 1.0}}
+        )
+    assert summary["skipped"] == [{"what": "tenant fairness views", "why": ANY}]
+    assert "tenant_fairness" not in summary["points"][0]
+    _, summary = run_replay(trace, "sim", opts, out=tmp_path / "quiet", stream=True, report=False)
+    assert "skipped" not in summary  # not asked for: a streamed run simply has Jain's index on hit rates
 
 
 def test_bad_fairness_options_are_refused_before_the_run(trace, tmp_path):
