@@ -114,7 +114,9 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
             "token average over the trace's requests at their full length (prompt + output), and the sim holds "
             "blocks of that mean size."
         )
-    (run_dir.path / "kv_quant.json").write_text(json.dumps(result, indent=1))
+    partial = run_dir.path / "kv_quant.json.partial"  # renamed into place: a killed run never leaves half a file
+    partial.write_text(json.dumps(result, indent=1))
+    partial.replace(run_dir.path / "kv_quant.json")
     write_reports(run_dir.path, result, plots)
     return run_dir.path, result
 

@@ -119,11 +119,11 @@ def _targets(table, rows_tenants: np.ndarray, tenant_slo: dict) -> dict[str, np.
     return out
 
 
-def fairness_views(rows: pa.Table, table: pa.Table, block_size: int, weights: dict, tenant_slo: dict,
+def fairness_views(rows: pa.Table, tenants: np.ndarray, targets: dict, weights: dict,
                    bounds: dict | None) -> tuple[list[dict], dict]:  # fmt: skip
     """One point's per-tenant rows and fairness facts. `rows`: its requests.parquet rows, in trace order, one per
-    trace row (tenant, input_tokens, hit_tokens, status and, when modeled or measured, ttft_s and tpot_s)."""
-    tenants = _tenants(table)
+    trace row (status, input_tokens, hit_tokens and, when modeled or measured, ttft_s, tpot_s and e2el_s);
+    `tenants` and `targets` (`_targets`): the trace's, per row, the same for every point."""
     ok = np.array([s in ("ok", None) for s in rows.column("status").to_pylist()])  # (offline rows: no status)
     inp = rows.column("input_tokens").to_numpy().astype(np.int64)
     hit = fill_null(rows.column("hit_tokens"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -132,7 +132,6 @@ def fairness_views(rows: pa.Table, table: pa.Table, block_size: int, weights: di
         ttft = fill_null(rows.column("ttft_s"), math.nan).to_numpy(zero_copy_only=False) * 1000.0
         tpot = fill_null(rows.column("tpot_s"), math.nan).to_numpy(zero_copy_only=False) * 1000.0
         e2el = fill_null(rows.column("e2el_s"), math.nan).to_numpy(zero_copy_only=False) * 1000.0
-        targets = _targets(table, tenants, tenant_slo)
     names = sorted(set(tenants.tolist()))
     total_hit, total_w = max(int(hit[ok].sum()), 1), sum(weights.get(t, 0.0) for t in names)
     per = []
@@ -183,6 +182,10 @@ def _slo_facts(sel, times: dict, targets: dict) -> dict:
     }
 
 
+# what the views read of requests.parquet (not every column of every point)
+VIEW_COLUMNS = ["point", "request_id", "status", "input_tokens", "hit_tokens", "ttft_s", "tpot_s", "e2el_s"]
+
+
 def add_fairness_views(run_dir: Path, summary: dict, table: pa.Table | None, options: dict) -> None:
     """Every point of a finished run gets `tenant_fairness` (per-tenant rows) and more `fairness` facts. Needs
     the trace in memory (a streamed replay is left as it is, and says so)."""
@@ -197,19 +200,20 @@ def add_fairness_views(run_dir: Path, summary: dict, table: pa.Table | None, opt
     if not has_tenants(table):
         return  # no tenants: nothing to be fair between
     try:
-        rows = read_requests(run_dir)
+        rows = read_requests(run_dir, columns=VIEW_COLUMNS)
     except KvbenchError:
         return  # nothing was written
-    block_size = summary["trace"]["block_size"]
-    bounds = own_bounds(table, block_size)
-    weights, slo = options.get("tenant_weights") or {}, options.get("tenant_slo") or {}
+    bounds = own_bounds(table, summary["trace"]["block_size"])
+    weights = options.get("tenant_weights") or {}
+    tenants = _tenants(table)  # (per trace row: once for every point)
+    targets = _targets(table, tenants, options.get("tenant_slo") or {})
     for point in summary["points"]:
         mine = call("filter", rows, call("equal", rows.column("point"), pa.scalar(point["name"])))
         if mine.num_rows != table.num_rows:
             continue  # a point cut short (interrupted): its rows do not line up with the trace
         position = index_in(mine.column("request_id"), table.column("request_id").combine_chunks())
         order = np.argsort(np.asarray(position))
-        per, facts = fairness_views(call("take", mine, pa.array(order)), table, block_size, weights, slo, bounds)
+        per, facts = fairness_views(call("take", mine, pa.array(order)), tenants, targets, weights, bounds)
         point["tenant_fairness"] = per
         point.setdefault("fairness", {}).setdefault("jain", {}).update(facts.pop("jain"))
         point["fairness"].update(facts)
