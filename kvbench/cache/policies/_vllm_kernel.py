@@ -99,12 +99,13 @@ def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n
             b = four * s
             p = np.uint64(node[b])
             q = np.uint64(node[b + u1])
+            n_free -= 1
             if s == anchor:
                 anchor = p
-            node[four * p + u1] = np.uint32(q)
-            node[four * q] = np.uint32(p)
-            n_free -= 1
-            _put_after(node, anchor, s)  # held, and already where its release puts it
+            if p != anchor:  # (right after the anchor already, in the common case of a conversation's next turn)
+                node[four * p + u1] = np.uint32(q)
+                node[four * q] = np.uint32(p)
+                _put_after(node, anchor, s)  # held, and already where its release puts it
             n_taken += 1
             h += 1
         hit_blocks[r] = h
