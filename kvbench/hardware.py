@@ -31,6 +31,13 @@ from kvbench.errors import KvbenchError
 DRAM_BW = 75e9
 # SSD: one PCIe Gen4 x4 NVMe drive's sequential read (Samsung PM9A3 and Micron 7450 datasheets: ~6.8–6.9 GB/s).
 SSD_BW = 7e9
+# Between devices. NVLink hop: NCCL's small-message all-reduce on an 8-GPU NVSwitch server takes on the order of
+# ten microseconds, i.e. about 1 µs for each of a ring's 2(n − 1) steps at n = 8 (an assumption of this model, not
+# a datasheet figure). Network: one 400 Gb/s ConnectX-7 NIC per GPU, as the DGX/HGX H100 and H200 reference
+# designs have (50 GB/s one way), and an RDMA hop through one switch of about 5 µs.
+LINK_LATENCY_S = 1e-6
+NET_BW = 50e9
+NET_LATENCY_S = 5e-6
 
 
 @dataclass(frozen=True)
@@ -46,11 +53,21 @@ class Hardware:
     flops_fp8: float = 0.0  # dense fp8 FLOP/s; 0 → no fp8 tensor cores: fp8 weights are widened to bf16 math
     dram_bw: float = DRAM_BW  # host DRAM bandwidth available to this device, bytes/s
     ssd_bw: float = SSD_BW  # local NVMe read bandwidth available to this device, bytes/s
+    # Multi-device instances (backends/enginesim/parallel.py): how many devices share one server's NVLink
+    # domain, the latency of one hop on that link, and each device's share of the network between servers.
+    devices_per_node: int = 8
+    link_latency_s: float = LINK_LATENCY_S  # one hop of a collective on the device ↔ device link, seconds
+    net_bw: float = NET_BW  # this device's network bandwidth to other servers, one direction, bytes/s
+    net_latency_s: float = NET_LATENCY_S  # one hop across the network, seconds
 
     def __post_init__(self):
-        for key in ("hbm_bytes", "hbm_bw", "flops", "pcie_bw", "dram_bw", "ssd_bw"):
+        for key in ("hbm_bytes", "hbm_bw", "flops", "pcie_bw", "dram_bw", "ssd_bw", "net_bw"):
             if not getattr(self, key) > 0:  # a zero here would divide by zero in every latency
                 raise KvbenchError(f"hardware {self.name!r}: {key} must be > 0, got {getattr(self, key)!r}")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise KvbenchError(
+                f"hardware {self.name!r}: devices_per_node must be a whole number ≥ 1, got {self.devices_per_node!r}"
+            )
 
     def flops_for(self, dtype: str) -> float:
         """FLOP/s of the matrix units for operands of `dtype` (fp8 where supported; everything else runs as bf16:
@@ -93,7 +110,8 @@ HARDWARE = {
         ),
         # NVIDIA A100 Tensor Core GPU datasheet, SXM4 80 GB: HBM2e 2,039 GB/s; BF16 312 TFLOPS dense (624 sparse),
         # no fp8; NVLink 600 GB/s; PCIe Gen4 64 GB/s (both directions)
-        Hardware("a100", hbm_bytes=80e9, hbm_bw=2.039e12, flops=312e12, pcie_bw=32e9, nvlink_bw=300e9),
+        # (DGX A100: one 200 Gb/s HDR NIC per GPU, 25 GB/s one way)
+        Hardware("a100", hbm_bytes=80e9, hbm_bw=2.039e12, flops=312e12, pcie_bw=32e9, nvlink_bw=300e9, net_bw=25e9),
         # NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s; BF16 362.05 / FP8 733 TFLOPS dense; PCIe Gen4 x16 64 GB/s
         # bidirectional; no NVLink
         Hardware("l40s", hbm_bytes=48e9, hbm_bw=864e9, flops=362.05e12, flops_fp8=733e12, pcie_bw=32e9),
@@ -102,9 +120,110 @@ HARDWARE = {
         # bf16 runs at the fp32 rate (OpenBLAS sgemm sustains ~21 GFLOP/s on this shared VM). Memory: a numpy copy
         # sustains ~9 GB/s here; a host ↔ "device" move is a memcpy within that same DRAM. SSD: a virtio disk,
         # assumed 1 GB/s, not measured. Rough by design: a calibration file replaces these terms.
-        Hardware("cpu", hbm_bytes=24e9, hbm_bw=10e9, flops=157e9, pcie_bw=10e9, dram_bw=10e9, ssd_bw=1e9),
+        # One "device" per machine; other machines over an assumed 10 Gb/s Ethernet (1.25 GB/s, 50 µs).
+        Hardware(
+            "cpu",
+            hbm_bytes=24e9,
+            hbm_bw=10e9,
+            flops=157e9,
+            pcie_bw=10e9,
+            dram_bw=10e9,
+            ssd_bw=1e9,
+            devices_per_node=1,
+            net_bw=1.25e9,
+            net_latency_s=50e-6,
+        ),  # fmt: skip
     )
 }
+
+
+@dataclass(frozen=True)
+class WeightSplit:
+    """Where a model's parameters sit, for splitting them over devices: the attention projections (replicated by
+    data-parallel attention), the routed experts of a mixture-of-experts (spread by expert parallelism), and
+    the rest (dense MLPs, shared experts, embeddings, norms: split by tensor parallelism). Plain counts."""
+
+    attention_params: int
+    routed_expert_params: int = 0  # every routed expert of every MoE layer together
+    experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # routed experts one token runs through per MoE layer
+    moe_layers: int = 0  # layers whose MLP is a mixture of experts (the others are dense)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+
+# Splits that the geometry cannot give (weight_split below derives a GQA model's). deepseek-ai/DeepSeek-V3
+# config.json: hidden 7168, 61 layers of which the first 3 are dense (first_k_dense_replace), 256 routed experts
+# of moe_intermediate_size 2048 (gate, up, down: 3 × 7168 × 2048 each) with 8 per token, 128 heads; MLA
+# projections per layer: q_a 7168 × 1536, q_b 1536 × 128·192, kv_a 7168 × 576, kv_b 512 × 128·256,
+# o 128·128 × 7168, and the q_a / kv_a norms (1536 + 512) = 187,107,328.
+WEIGHT_SPLITS = {
+    "deepseek-v3": WeightSplit(
+        attention_params=61 * 187_107_328,
+        routed_expert_params=58 * 256 * 3 * 7168 * 2048,
+        experts=256,
+        experts_per_token=8,
+        moe_layers=58,
+    ),
+}
+
+
+def weight_split(model: ModelGeometry) -> WeightSplit:
+    """The model's split: its WEIGHT_SPLITS entry, or for a grouped-query model the Q, K, V and O projections
+    (hidden × heads·head_dim twice, hidden × kv_heads·head_dim twice, every layer) and no routed experts."""
+    if model.name in WEIGHT_SPLITS:
+        return WEIGHT_SPLITS[model.name]
+    per_layer = model.hidden * (2 * model.heads * model.attn_head_dim + 2 * model.kv_heads * model.head_dim)
+    return WeightSplit(attention_params=min(model.layers * per_layer, model.params))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A multi-device instance people run: `kvbench replay --backend engine-sim --deployment NAME` sets these
+    (options given explicitly win). tp × pp devices per instance; ep and dp_attention group the tp devices of a
+    pipeline stage (backends/enginesim/parallel.py)."""
+
+    name: str
+    model: str
+    hardware: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp_attention: int = 1
+    weight_dtype: str = "bf16"
+    why: str = ""  # who runs it this way
+
+
+DEPLOYMENTS = {
+    d.name: d
+    for d in (
+        Deployment("llama3-70b-4xh100", "llama3-70b", "h100", tp=4, why="vLLM's and Lambda's 70B benchmark setup"),
+        Deployment("llama3-70b-8xh100", "llama3-70b", "h100", tp=8, why="one HGX H100 server per instance"),
+        Deployment("llama3-70b-2xh200", "llama3-70b", "h200", tp=2, why="bf16 70B on the fewest H200s"),
+        Deployment(
+            "llama3-405b-8xh100-fp8", "llama3-405b", "h100", tp=8, weight_dtype="fp8",
+            why="Meta's FP8 405B release, sized for one 8-GPU server",
+        ),
+        Deployment(
+            "llama3-405b-2x8xh100", "llama3-405b", "h100", tp=8, pp=2,
+            why="bf16 405B: TP within a server, PP across two",
+        ),
+        Deployment(
+            "deepseek-v3-8xh200", "deepseek-v3", "h200", tp=8, ep=8, dp_attention=8, weight_dtype="fp8",
+            why="SGLang's single-node H200 recipe (fp8 weights, DP attention, EP MoE)",
+        ),
+        Deployment(
+            "deepseek-v3-2x8xh200", "deepseek-v3", "h200", tp=16, ep=16, dp_attention=16, weight_dtype="fp8",
+            why="two H200 servers as one instance: DP attention, EP over 16 devices",
+        ),
+        Deployment(
+            "deepseek-v3-8xb200", "deepseek-v3", "b200", tp=8, ep=8, dp_attention=8, weight_dtype="fp8",
+            why="one HGX B200 server",
+        ),
+    )
+}  # fmt: skip
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import click
 import numpy as np
 import pyarrow as pa
-from kvbench.backends.enginesim import compiled_run
+from kvbench.backends.enginesim import compiled_run, parallel
 from kvbench.backends.enginesim import scenarios as _scenarios
 from kvbench.backends.enginesim.cluster import ROUTERS, simulate
 from kvbench.backends.enginesim.engine import Instance, Req, Scheduler
@@ -67,7 +67,9 @@ class EngineSimConfig:
     kv_dtype: str = option(
         "bf16", "KV cache element type: scales bytes per token", unit="name", type=click.Choice(list(KV_DTYPE_BYTES))
     )
-    instances: int = option(1, "serving instances (one accelerator each)", unit="instances", type=click.IntRange(min=1))
+    instances: int = option(
+        1, "serving instances (tp × pp accelerators each: --tp, --pp)", unit="instances", type=click.IntRange(min=1)
+    )
     router: str = option(
         "round-robin", "how a request picks an instance", unit="name", type=click.Choice(list(ROUTERS))
     )
@@ -167,16 +169,18 @@ class EngineSimBackend:
     @classmethod
     def cli_options(cls) -> list[click.Option]:
         scenario_options = [opt for sc in _scenarios.registry().values() for opt in sc.options]
-        return options.cli_options(EngineSimConfig) + policy_option_params() + scenario_options
+        return options.cli_options(EngineSimConfig) + parallel.OPTIONS + policy_option_params() + scenario_options
 
     def __init__(self, config: EngineSimConfig | None = None, **kwargs):
         """`config`, or its fields as keyword arguments; the other keywords are the policies' options (--quota,
         as the sim backend takes them) and the scenarios'."""
-        from kvbench.backends.enginesim.roofline import LatencyModel
-
         from kvbench.hardware import load_specs, resolve_hardware, resolve_model
 
         c, others = options.build(EngineSimConfig, config, kwargs)
+        fields = {f.name: f for f in dataclasses.fields(EngineSimConfig)}
+        given = {k: others.pop(k) for k in list(others) if k in parallel.NAMES}
+        defaults = {k: f.default for k, f in fields.items()}
+        c, layout = parallel.resolve(c, given, defaults, others.get("disagg") == "pd")
         self.options = c
         self.policies = _policies.parse_names(c.policy)
         names = {p.name for p in policy_option_params()}
@@ -188,7 +192,13 @@ class EngineSimBackend:
         loaded = load_specs(c.specs) if c.specs else None
         self.hw, self.model = resolve_hardware(c.hardware, loaded), resolve_model(c.model, loaded)
         calib = _calibration(c.calibration) if c.calibration else None
-        self.latency = LatencyModel(self.model, self.hw, kv_dtype=c.kv_dtype, mfu=c.mfu, mbu=c.mbu, calibration=calib)
+        common = {"kv_dtype": c.kv_dtype, "mfu": c.mfu, "mbu": c.mbu, "calibration": calib}
+        self.latency = parallel.latency_model(self.model, self.hw, layout.instance, layout, **common)
+        # --disagg pd: each pool its own devices (--prefill-tp, --decode-tp, …)
+        self.pool_latency = {
+            pool: parallel.latency_model(self.model, self.hw, d, layout, f"{pool}-", **common)
+            for pool, d in layout.pools.items()
+        }
         self.sched = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, *_preemption(c.preemption))
         self.slo = parse_slo(c.slo)  # checked now, before any replay
         self.settings = {
@@ -200,13 +210,13 @@ class EngineSimBackend:
                 calibration=calib and vars(calib),
                 policy_options=self.policy_options,
             ),
+            **layout.record(),
             # scenario options not given (a call from Python rather than the CLI) take their declared defaults
             **{o.name: _declared_default(o) for sc in _scenarios.registry().values() for o in sc.options},
             **scenario_options,
         }
         self.scenarios = _scenarios.active(self.settings)  # checks the scenario options now, before any replay
         self.kv_dtype = c.kv_dtype
-        fields = {f.name: f for f in dataclasses.fields(EngineSimConfig)}
         for key in TIER_OPTIONS:  # sizes too (not 'less than a block': no trace yet)
             if str(self.settings[key] or "0").strip() != "0":
                 model = self.model.name if self.model.name in MODELS else None
@@ -246,16 +256,24 @@ class EngineSimBackend:
         model = self.model.name if self.model.name in MODELS else None  # --specs models: blocks or tokens
         return parse_capacity(str(text), bs, model, self.kv_dtype, option).blocks
 
-    def pool_blocks(self, bs: int) -> int:
+    def pool_blocks(self, bs: int, latency=None) -> int:
+        """KV blocks of one instance whose latency model is `latency` (default: the instance-wide one)."""
         if self.settings["hbm_capacity"]:
             return self._blocks(self.settings["hbm_capacity"], bs, "--hbm-capacity")
-        blocks = self.latency.kv_capacity_tokens(self.settings["gpu_memory_utilization"]) // bs
+        latency = latency or self.latency
+        util = self.settings["gpu_memory_utilization"]
+        blocks = latency.kv_capacity_tokens(util) // bs
         if blocks <= 0:
-            raise KvbenchError(
-                f"{self.model.name} weights ({self.latency.weight_bytes / 1e9:.1f} GB) leave no KV room on "
-                f"{self.hw.name} ({self.hw.hbm_bytes / 1e9:.0f} GB); pick a larger --hardware or give --hbm-capacity"
-            )
+            raise parallel.no_room_error(latency, util, need_tokens=bs)
         return blocks
+
+    def _pool_models(self, bs: int) -> list[tuple[str, object, int]]:
+        """(pool, latency model, KV blocks) per instance: one pool, or --disagg pd's prefill and decode pools."""
+        if not self.pool_latency:
+            return [("instance", self.latency, self.pool_blocks(bs))] * self.settings["instances"]
+        n_prefill = self.settings["prefill_instances"]
+        sized = {pool: (pool, lat, self.pool_blocks(bs, lat)) for pool, lat in self.pool_latency.items()}
+        return [sized["prefill" if i < n_prefill else "decode"] for i in range(self.settings["instances"])]
 
     def replay(self, trace: pa.Table, meta: TraceMeta, progress=None) -> Iterator[PointResult]:
         for name in self.policies:
@@ -271,7 +289,8 @@ class EngineSimBackend:
             keyed, share_lora = sc.prepare_trace(keyed), sc.share_lora(share_lora)
         prep = prepare(keyed, bs, use_salt=s["salt"], share_lora=share_lora, vllm_cap=pol.name == "vllm")
         check_quota_tenants(self.policy_options, prep.tenant_names)
-        pool_blocks = self.pool_blocks(bs)
+        pool_models = self._pool_models(bs)
+        pool_blocks = pool_models[0][2]
         kvb = self.latency.kv_bytes_per_token * bs
         pool_size = self._blocks(s["global_pool"], bs, "--global-pool")
         pool = None
@@ -284,11 +303,17 @@ class EngineSimBackend:
                 prep, trace, s["instances"], pool_blocks, self.sched, self.latency, s["router"], pcie
             )
         else:
-            reqs, instances, timeline = self._python_loop(trace, prep, pol, scenarios, bs, pool_blocks, pool)
+            reqs, instances, timeline = self._python_loop(trace, prep, pol, scenarios, bs, pool_models, pool)
             evictions = None
         summarise = functools.partial(modeled_latency_summary, slo=self.slo)
         result = point_result(pol, reqs, instances, prep, trace, timeline, kvb, pool, summarise, evictions)
         result.extra["engine"]["scenarios"] = {sc.name: sc.summary(reqs, instances, prep, kvb) for sc in scenarios}
+        util = s["gpu_memory_utilization"]
+        result.extra["engine"]["parallelism"] = {
+            name: parallel.summary(lat, util, blocks, bs) for name, lat, blocks in dict.fromkeys(pool_models)
+        }
+        if any(p["devices"] > 1 for p in result.extra["engine"]["parallelism"].values()):  # the terminal's line
+            result.extra["engine"]["deployment"] = parallel.describe(result.extra["engine"]["parallelism"])
         return result
 
     def _tiers(self, bs: int, pool) -> TierStack:
@@ -301,21 +326,21 @@ class EngineSimBackend:
             s["write_through"],
         )
 
-    def _python_loop(self, trace, prep, pol, scenarios, bs: int, pool_blocks: int, pool):
+    def _python_loop(self, trace, prep, pol, scenarios, bs: int, pool_models: list, pool):
         """cluster.simulate over the Python instances: the reference loop, and every case the compiled one
         (compiled_run.py) does not cover."""
         s = self.settings
         flat, off = prep.keys.tolist(), prep.offsets.tolist()
         keys = [flat[off[r] : off[r + 1]] for r in range(prep.n_requests)]  # each request's, read-only, shared
         instances = []
-        for i in range(s["instances"]):
+        for i, (_, latency, pool_blocks) in enumerate(pool_models):
             # vLLM's pool in its quick form (pool.py): the same rule, what a long replay spends most time in
             if pol.cache is VllmPool:
                 cache = QuickPool(prep, pool_blocks, {}, keys)
             else:
                 cache = pol.cache(prep, pool_blocks, self.policy_options)
             tiers = self._tiers(bs, pool)
-            inst = Instance(i, cache, tiers, self.latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
+            inst = Instance(i, cache, tiers, latency, pool_blocks, bs, self.sched, self.hw.host_to_device_bw)
             inst.scenarios = scenarios
             _hook(inst)
             instances.append(inst)

@@ -189,11 +189,9 @@ class LatencyModel:
         --gpu-memory-utilization; activations and CUDA graphs are ignored)."""
         free = self.hw.hbm_bytes * mem_util - self._weight_bytes / self.tp
         if free <= 0:
-            raise KvbenchError(
-                f"{self.model.name} {self.weight_dtype} weights ({self._weight_bytes / 1e9:.1f} GB) leave no room for "
-                f"KV on {self.tp} × {self.hw.name} ({self.hw.hbm_bytes / 1e9:.0f} GB, {mem_util:.0%} usable); "
-                "raise tp or use a smaller weight dtype"
-            )
+            from kvbench.backends.enginesim.parallel import no_room_error  # (it imports this module)
+
+            raise no_room_error(self, mem_util)  # names the smallest --tp / --pp / --weight-dtype that fits
         return int(free / (self._kv_bytes / self._kv_shards))
 
     def step_cost(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> StepCost:

@@ -271,6 +271,8 @@ def _print_points(summary: dict) -> None:
         click.echo(f"{p['name']:>28}: {_token_hit_rate(p)}{flag}")
         if "failures" in p:
             click.echo(f"{'requests':>28}: {describe(p['failures'])}")
+        if (p.get("engine") or {}).get("deployment"):  # engine-sim's multi-device instances and their KV pool
+            click.echo(f"{'deployment':>28}: {p['engine']['deployment']}")
         if p.get("saturation"):  # engine-sim and live points: whether the deployment kept up with the load
             line = describe_saturation(p["saturation"])
             click.secho(f"{'load':>28}: {line}", fg="yellow" if p["saturation"]["saturated"] else None)
