@@ -256,15 +256,16 @@ class EngineSimBackend:
         model = self.model.name if self.model.name in MODELS else None  # --specs models: blocks or tokens
         return parse_capacity(str(text), bs, model, self.kv_dtype, option).blocks
 
-    def pool_blocks(self, bs: int, latency=None) -> int:
-        """KV blocks of one instance whose latency model is `latency` (default: the instance-wide one)."""
+    def pool_blocks(self, bs: int, latency=None, pool: str = "") -> int:
+        """KV blocks of one instance whose latency model is `latency` (default: the instance-wide one) of the
+        --disagg pd `pool` ("prefill", "decode"; "" for all instances): the refusal names its options."""
         if self.settings["hbm_capacity"]:
             return self._blocks(self.settings["hbm_capacity"], bs, "--hbm-capacity")
         latency = latency or self.latency
         util = self.settings["gpu_memory_utilization"]
-        blocks = latency.kv_capacity_tokens(util) // bs
+        blocks = parallel.pool_tokens(latency, util) // bs
         if blocks <= 0:
-            raise parallel.no_room_error(latency, util, need_tokens=bs)
+            raise parallel.no_room_error(latency, util, bs, f"{pool}-" if pool else "")
         return blocks
 
     def _pool_models(self, bs: int) -> list[tuple[str, object, int]]:
@@ -272,7 +273,7 @@ class EngineSimBackend:
         if not self.pool_latency:
             return [("instance", self.latency, self.pool_blocks(bs))] * self.settings["instances"]
         n_prefill = self.settings["prefill_instances"]
-        sized = {pool: (pool, lat, self.pool_blocks(bs, lat)) for pool, lat in self.pool_latency.items()}
+        sized = {pool: (pool, lat, self.pool_blocks(bs, lat, pool)) for pool, lat in self.pool_latency.items()}
         return [sized["prefill" if i < n_prefill else "decode"] for i in range(self.settings["instances"])]
 
     def replay(self, trace: pa.Table, meta: TraceMeta, progress=None) -> Iterator[PointResult]:

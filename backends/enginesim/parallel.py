@@ -237,10 +237,19 @@ def smallest_fits(lat: LatencyModel, mem_util: float, need_tokens: int = 1) -> d
     return out
 
 
-def no_room_error(lat: LatencyModel, mem_util: float, need_tokens: int = 1) -> KvbenchError:
+def pool_tokens(lat: LatencyModel, mem_util: float) -> int:
+    """KV tokens of one instance; 0 when the weights leave no room (the caller words the refusal)."""
+    try:
+        return lat.kv_capacity_tokens(mem_util)
+    except KvbenchError:
+        return 0
+
+
+def no_room_error(lat: LatencyModel, mem_util: float, need_tokens: int = 1, prefix: str | None = None):
     """The refusal when the weights leave less than `need_tokens` of KV room: what is on each device, and the
-    smallest --tp, --pp and --weight-dtype that would fit."""
-    prefix = getattr(lat, "option_prefix", "")
+    smallest --tp, --pp and --weight-dtype that would fit. `prefix`: the pool's option prefix ("decode-"),
+    default the model's own."""
+    prefix = getattr(lat, "option_prefix", "") if prefix is None else prefix
     pp, ep = getattr(lat, "pp", 1), getattr(lat, "ep", 1)
     per_device = lat.weight_bytes_per_device if isinstance(lat, ParallelLatencyModel) else lat.weight_bytes / lat.tp
     hw, m = lat.hw, lat.model
