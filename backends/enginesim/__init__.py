@@ -101,7 +101,8 @@ class EngineSimConfig:
     )
     pool_bandwidth_gbps: float = option(
         25.0,
-        "global store → HBM bandwidth per instance: what a block loaded from the store costs",
+        "global store → HBM bandwidth per instance, per device when an instance has several (each loads its "
+        "share of the KV at this rate): what a block loaded from the store costs",
         unit="GB/s, 1e9 bytes/s",
         type=click.FloatRange(min=0, min_open=True),
         old=["--pool-bandwidth"],
