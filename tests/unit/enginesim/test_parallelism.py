@@ -195,6 +195,21 @@ def test_70b_tp4_h100_decode_step_against_the_published_vllm_figures(context):
     assert low / 3 < step_ms < low < high
 
 
+# vLLM's nightly performance benchmark, "Latency tests" (buildkite.com/vllm/performance-benchmark/builds/9515):
+# latency_llama70B_tp4 on H200, 32 input and 128 output tokens, a fixed batch of 8: mean 2077.53 ms per batch.
+VLLM_NIGHTLY_70B_TP4_H200_MS = 2077.53
+
+
+def test_70b_tp4_h200_latency_benchmark_against_vllms_nightly_figure():
+    """The same work on the roofline: one prefill of 8 × 32 tokens, then 127 decode steps of 8 sequences whose
+    context grows by one token each. A roofline has no per-step kernel floor or CPU time, so it must come out
+    below the engine, but not below half of it (docs/parallelism.md: 0.64)."""
+    lat = EngineSimBackend(model="llama3-70b", hardware="h200", tp=4).latency
+    total = lat.step_s([(32, 0)] * 8, [])
+    total += sum(lat.decode_step_s(8, 8 * (32 + i)) for i in range(1, 128))
+    assert 0.5 < total * 1e3 / VLLM_NIGHTLY_70B_TP4_H200_MS < 1.0
+
+
 # --- refusals -------------------------------------------------------------------------------------------------
 def test_no_room_names_the_smallest_tp_pp_and_weight_dtype_that_fit():
     # 70.55e9 bf16 parameters = 141.1 GB > 0.9 × 141 GB; halves: 70.6 GB fit (tp 2, pp 2, or fp8 on one)
