@@ -154,13 +154,21 @@ class SimBackend:
             check_quota_tenants(self.policy_options, tenant_codes(trace, None)[1])
         prepared, had_next_use = {}, set()
 
+        extended = {}
+
         def prepared_for(name):
             cap = name == "vllm"  # vLLM recomputes at least the last prompt token
             if cap not in prepared:
                 prepared[cap] = self._prepare(trace, bs, cap, cache)
                 if prepared[cap].next_use_known:
                     had_next_use.add(cap)
-            return prepared[cap]
+            extend = _policies.get(name).extend  # a policy that reads more than block keys (llama-slot's tokens)
+            if extend is None:
+                return prepared[cap]
+            if name not in extended:
+                whole = cache.with_block_hashes(trace) if cache is not None else trace
+                extended[name] = extend(whole, bs, self.policy_options, prepared[cap])
+            return extended[name]
 
         for pol in pols:
             for cap in caps:
@@ -313,6 +321,8 @@ def _labels(pol, blocks: int) -> dict:
 def _columns(out: SimOutput, prep: PreparedTrace) -> dict[str, np.ndarray]:
     """The result columns of `out`, the answers to the requests of `prep` (a trace or a chunk of one)."""
     hit_tokens = np.minimum(out.hit_blocks.astype(np.int64) * prep.block_size, prep.input_tokens)
+    if out.hit_tokens is not None:  # a policy that counts tokens (llama-slot with --vocab)
+        hit_tokens = out.hit_tokens
     return {
         "hit_blocks": out.hit_blocks,
         "hit_tokens": hit_tokens,

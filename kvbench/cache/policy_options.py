@@ -21,7 +21,14 @@ UNITS = {
     "small_fraction": "share of the capacity, 0-1",
     "priority_duration_requests": "requests",
     "priority_duration_s": "s (trace time)",
+    "slots": "slots",
+    "slot_similarity": "share of the prompt, 0-1",
+    "cache_reuse": "tokens",
+    "cache_ram_tokens": "tokens",
+    "vocab": "token ids",
 }
+# options that count something: whole numbers, at least this (llama-slot's; vocab as the openai backend's --vocab)
+WHOLE_AT_LEAST = {"slots": 1, "cache_reuse": 0, "cache_ram_tokens": 0, "vocab": 64}
 
 
 def flag(name: str) -> str:
@@ -118,6 +125,13 @@ def _parse_option(name: str, value):
         raise KvbenchError(f"{flag(name)} {value!r} must be >= 0")
     if name == "priority_duration_requests" and number != int(number):
         raise KvbenchError(f"{flag(name)} {value!r} must be a whole number of requests")
+    if name in WHOLE_AT_LEAST:
+        if number != int(number) or number < WHOLE_AT_LEAST[name]:
+            least = WHOLE_AT_LEAST[name]
+            raise KvbenchError(f"{flag(name)} {value!r} must be a whole number >= {least} ({UNITS[name]})")
+        return int(number)
+    if name == "slot_similarity" and not 0 <= number <= 1:
+        raise KvbenchError(f"{flag(name)} {value!r} must be a share of the prompt in [0, 1] (0 turns it off)")
     return number
 
 

@@ -30,6 +30,9 @@ class SimOutput:
     evictions: np.ndarray  # int32[n]: blocks evicted by each request's insertions
     evict_matrix: np.ndarray  # int64[T, T]: [evictor tenant, victim tenant] -> blocks evicted
     filled_at: int  # first request index after which the cache was full; -1 if it never filled
+    # int64[n]: cached tokens of each request, for a policy that reuses token by token (llama-slot with its
+    # prompts' tokens); None: hit_blocks x block size (capped at the prompt) is the count
+    hit_tokens: np.ndarray | None = None
 
     @classmethod
     def empty(cls, trace: PreparedTrace) -> SimOutput:
@@ -87,6 +90,9 @@ class Policy:
     # the reference as a PrefixCache class: begin/end per request, for callers whose requests overlap in time
     # (engine-sim); `reference` runs it over a whole trace
     cache: type | None = None
+    # for a policy that needs more of the trace than its block keys (llama-slot: the prompts' tokens):
+    # extend(table, block_size, options, prepared) -> the prepared trace it runs on (`--backend sim` calls it)
+    extend: Callable | None = None
 
 
 def _checked(fn: Callable[..., SimOutput]) -> Callable[..., SimOutput]:
@@ -113,13 +119,15 @@ def policy(
     stack: bool = False,
     carry: type[Carry] | None = None,
     cache: type | None = None,
+    extend: Callable | None = None,
 ):
     """Register `kernel` (the decorated function) and its pure-Python `reference` under `name`."""
 
     def wrap(kernel):
         summary = (kernel.__doc__ or name).strip().splitlines()[0]
         checked = _checked(kernel)
-        _REGISTRY.add(name, Policy(name, summary, checked, reference, needs, options or {}, stack, carry, cache))
+        pol = Policy(name, summary, checked, reference, needs, options or {}, stack, carry, cache, extend)
+        _REGISTRY.add(name, pol)
         return checked
 
     return wrap
