@@ -14,4 +14,5 @@ EXPERIMENTS = {ep.name: ep.value for ep in entry_points("kvbench.experiments")}
 
 @click.group(cls=LazyGroup, lazy=EXPERIMENTS)
 def experiment() -> None:
-    """Experiments over a trace: `kv-quant` (KV formats: capacity gained, hit rate, attention error)."""
+    """Experiments: `kv-quant` (KV formats on a trace: capacity gained, hit rate, attention error) and `attn-ffn`
+    (attention/FFN disaggregation: tokens/s per device and TPOT against the attention:FFN device ratio)."""

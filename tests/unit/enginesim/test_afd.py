@@ -48,3 +48,34 @@ def test_more_attention_devices_feed_the_ffn_side_bigger_batches():
     points = [AfdDeployment(m, h200, a, 16 - a, weight_dtype="fp8", micro_batches=3).point(4096) for a in (2, 8)]
     assert points[1]["tokens_per_s_per_device"] > 2 * points[0]["tokens_per_s_per_device"]
     assert points[1]["tpot_ms"] > points[0]["tpot_ms"]  # the FFN side's work grows with the tokens it gets
+
+
+def test_the_attn_ffn_experiment_writes_the_curve_and_keeps_earlier_runs(tmp_path):
+    """`kvbench experiment attn-ffn`: one point per split of --devices, the splits whose FFN side cannot hold
+    the weights kept with why, the best split the one with most tokens/s per device, a colocated reference;
+    the JSON and plot land in --out, and a second run there is refused instead of overwriting it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    out = tmp_path / "afd"
+    args = ["experiment", "attn-ffn", "--model", "llama3-70b", "--hardware", "h100", "--devices", "8",
+            "--context", "2048", "--out", str(out)]  # fmt: skip
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    case = json.loads((out / "attn_ffn.json").read_text())["cases"][0]
+    assert (out / "attn_ffn.png").stat().st_size > 0
+    splits = [(p["attention_devices"], p["ffn_devices"]) for p in case["points"]]
+    assert splits == [(a, 8 - a) for a in range(1, 8)]
+    # bf16 70B: the FFN/MLP weights alone are ~2 × 8192 × 28672 × 3 × 80 bytes ≈ 113 GB: not on one H100
+    assert not next(p for p in case["points"] if p["ffn_devices"] == 1)["fits"]
+    fitting = [p for p in case["points"] if p["fits"]]
+    assert case["best"] == max(fitting, key=lambda p: p["tokens_per_s_per_device"])
+    assert case["colocated"]["tp"] == 8 and case["colocated"]["ep"] == 1
+    assert f"best: {case['best']['attention_devices']}:{case['best']['ffn_devices']}" in r.output
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code != 0 and "already holds" in again.output
+    bad = CliRunner().invoke(main, [*args[:-2], "--devices", "1", "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "--devices 1" in bad.output
