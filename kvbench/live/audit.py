@@ -8,6 +8,9 @@ Paired probes on fresh random prompts (so earlier traffic cannot interfere), eac
 - no salt: that prompt again without a salt -> must miss (a salted prefix is not shared with unsalted users).
 A hit is read from `usage.prompt_tokens_details.cached_tokens` (or llama.cpp's `timings.cache_n`) and, when
 the server has one, from the `/metrics` counter delta of the probe.
+
+llama.cpp's server (recognised by the `timings` in its answers) has no cache_salt: its slots and host prompt
+cache match any request's tokens (docs/llama-cpp.md), so the verdict then says what isolates tenants there.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ async def _audit(url: str, model: str | None, vocab: int) -> dict:
             (shared, Probe("other salt", salt_b, False)),
             (shared, Probe("no salt after salted", None, False)),
         ]
-        probes = []
+        probes, llama_cpp = [], False
         for i, (prompt, probe) in enumerate(plan):
             if i < 2:  # the first send of a pair only fills the cache
                 await _complete(session, url, model, prompt, probe.salt)
@@ -92,20 +95,31 @@ async def _audit(url: str, model: str | None, vocab: int) -> dict:
             answer = await _complete(session, url, model, prompt, probe.salt)
             after = await scrape(session, url)
             probe.cached_tokens = _cached(answer)
+            llama_cpp = llama_cpp or "timings" in answer  # llama-server's own field: no other server sends it
             if before and after and "cached_tokens" in after:
                 probe.counter_cached = after["cached_tokens"] - before.get("cached_tokens", 0.0)
             probes.append(probe)
-    return {"url": url, "model": model, "probes": probes}
+    return {"url": url, "model": model, "probes": probes, "engine": "llama.cpp" if llama_cpp else None}
 
 
-def verdict(probes: list[Probe]) -> tuple[str, bool | None]:
+# What to do instead on llama.cpp, whose cache has no notion of a tenant: the host prompt cache (--cache-ram)
+# restores any cached prompt into any slot, so a slot per tenant isolates only with it turned off.
+LLAMA_CPP_ADVICE = (
+    "; llama.cpp has no cache_salt (a slot or its host prompt cache serves any request with the same tokens): "
+    "run one llama-server per tenant, or pin each tenant to its own slot (request field id_slot) with "
+    "--cache-ram 0 so that no cached prompt moves between slots"
+)
+
+
+def verdict(probes: list[Probe], engine: str | None = None) -> tuple[str, bool | None]:
     control, same, other, unsalted = probes
     if not control.hit:
         return "inconclusive: the control prompt did not hit (prefix caching off, or hits not reported)", None
     if not same.hit:
         return "salted requests never hit: a salt disables caching instead of isolating it", False
     if other.hit or unsalted.hit:
-        return "salts are ignored: requests with different cache_salt share cached prefixes", False
+        text = "salts are ignored: requests with different cache_salt share cached prefixes"
+        return text + (LLAMA_CPP_ADVICE if engine == "llama.cpp" else ""), False
     return "salts isolate: same salt hits, other salt and no salt miss", True
 
 
@@ -118,10 +132,11 @@ def audit_isolation(url: str, model: str | None = None, vocab: int = 4096) -> di
         raise KvbenchError(
             redact_text(f"cannot probe {url}: {type(exc).__name__}: {exc}; is the server up? (kvbench engine status)")
         ) from None
-    text, ok = verdict(result["probes"])
+    text, ok = verdict(result["probes"], result["engine"])
     return {
         "url": redact_url(result["url"]),
         "model": result["model"],
+        "engine": result["engine"],
         "verdict": text,
         "passed": ok,
         "probes": [{**asdict(p), "hit": p.hit, "passed": p.passed} for p in result["probes"]],
