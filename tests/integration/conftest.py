@@ -51,12 +51,13 @@ def vllm():
 
 @pytest.fixture(scope="session")
 def llama():
-    """The running llama.cpp engine. Never required by CI (building it takes ≈5 min): skips when none runs,
-    fails instead only when KVBENCH_REQUIRE_LLAMA_CPP is set."""
+    """The running llama.cpp engine (kvbench.engines.EngineInfo). Skips when none runs; fails instead when
+    KVBENCH_REQUIRE_ENGINES is set (CI, whose .ci/start-engines builds and starts it)."""
     info = engines.running("llama-cpp")
     if info is None:
         missing(
-            "KVBENCH_REQUIRE_LLAMA_CPP",
-            "no llama-cpp engine runs (`kvbench engine up llama-cpp` builds it from source, ≈5 min)",
+            "KVBENCH_REQUIRE_ENGINES",
+            "no llama-cpp engine runs; start one with .ci/start-engines or `kvbench engine up llama-cpp` (the first "
+            "time builds llama-server from source: 5-16 min on 2 cores)",
         )
     return info

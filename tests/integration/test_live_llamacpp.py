@@ -1,21 +1,32 @@
 """The live suite against llama.cpp's server (`kvbench engine up llama-cpp`), where its features allow.
 
-llama.cpp keeps one prompt per slot and reuses its longest common prefix (token by token), not a block pool,
-so the `vllm` policy's per-request prediction does not apply and is not tested here; it ignores cache_salt,
-which the isolation audit must report.
+llama.cpp keeps one token sequence per slot and reuses its longest common prefix token by token, not a block
+pool: the `llama-slot` policy (with `--vocab`, the tokens kvbench sends) must predict every request's
+cached_tokens exactly at concurrency 1. It ignores cache_salt, which the isolation audit must report.
 """
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from kvbench import engines
 from kvbench.live.audit import audit_isolation
+from kvbench.run.demo import live_subset
 from kvbench.run.runner import run_replay
+from kvbench.trace.files import read_trace, write_trace
 
-from ..conftest import CHAT
+from ..conftest import CHAT, SAMPLES
 
 pytestmark = pytest.mark.engine
+
+REQUESTS = 30  # per trace and server setting: each a fresh server, one request at a time
+OUTPUT_TOKENS = 4  # generated tokens stay in the slot (and are unknown offline): a few are enough to test that
+# cpp-httplib sometimes closes a kept-alive connection as kvbench's client reuses it ("connection dropped"); a
+# request lost that way never reaches a slot, which would break the comparison rather than test the policy
+FRESH_CONNECTIONS = ("Connection: close",)
 
 
 def test_prompts_and_cache_reporting(llama, tmp_path):
@@ -26,6 +37,7 @@ def test_prompts_and_cache_reporting(llama, tmp_path):
         "max_concurrency": 1,
         "max_requests": 20,
         "max_output_tokens": 1,
+        "headers": FRESH_CONNECTIONS,
     }
     run_dir, summary = run_replay(CHAT, "openai", opts, out=tmp_path / "r", report=False)
     rows = pq.read_table(run_dir / "requests.parquet")
@@ -42,3 +54,47 @@ def test_prompts_and_cache_reporting(llama, tmp_path):
 def test_audit_reports_that_salts_are_ignored(llama):
     result = audit_isolation(llama.url)
     assert result["passed"] is False and "salts are ignored" in result["verdict"], result
+    assert "one llama-server per tenant" in result["verdict"]
+
+
+@pytest.fixture(scope="module")
+def restartable(llama):
+    """The engine, restarted by the tests below with other --parallel settings; put back as it was after."""
+    yield llama
+    engines.down("llama-cpp")
+    engines.up("llama-cpp", restart=True, **llama.settings)
+
+
+def _fitted(kind: str, per_slot_ctx: int, out_dir) -> tuple:
+    """The first REQUESTS requests of a sample, prompts cut to fit one slot's context, outputs capped."""
+    table, meta = read_trace(SAMPLES / f"{kind}.parquet")
+    sub, _ = live_subset(table, per_slot_ctx - OUTPUT_TOKENS - 8, REQUESTS, meta.block_size)
+    i = sub.schema.get_field_index("output_tokens")
+    capped = np.minimum(sub.column("output_tokens").to_numpy(), OUTPUT_TOKENS)
+    sub = sub.set_column(i, sub.schema.field(i), pa.array(capped, sub.schema.field(i).type))
+    return write_trace(sub, out_dir / f"{kind}.parquet", meta), meta.block_size
+
+
+@pytest.mark.parametrize("slots", [1, 4, None], ids=["parallel-1", "parallel-4", "auto-unified"])
+@pytest.mark.parametrize("kind", ["chat", "agent", "multi-tenant"])
+def test_llama_slot_predicts_every_cached_token(restartable, tmp_path, kind, slots):
+    """llama-slot's hit_tokens equal the server's cached_tokens request by request, for explicit --parallel 1
+    and 4 (a context each of ctx/N) and for the default (4 slots sharing one unified context)."""
+    ctx = int(restartable.settings.get("ctx_size") or 8192)
+    args = "" if slots is None else f"--parallel {slots}"
+    engines.down("llama-cpp")  # a fresh server: empty slots and prompt cache, as the prediction starts
+    info = engines.up("llama-cpp", restart=True, ctx_size=ctx, engine_args=args)
+    trace, bs = _fitted(kind, ctx if slots is None else ctx // slots, tmp_path)
+    live_opts = {"url": info.url, "mode": "rate", "rate": 1000.0, "max_concurrency": 1, "headers": FRESH_CONNECTIONS}
+    live, _ = run_replay(trace, "openai", live_opts, out=tmp_path / "live", report=False)
+    sim_opts = {"policy": "llama-slot", "capacity": str(ctx // bs), "bound": False, "vocab": 4096}
+    if slots is not None:
+        sim_opts["slots"] = slots
+    sim, _ = run_replay(trace, "sim", sim_opts, out=tmp_path / "sim", report=False)
+    measured = pq.read_table(live / "requests.parquet")
+    assert set(measured.column("status").to_pylist()) == {"ok"}, measured.column("error").to_pylist()
+    got = measured.column("cached_tokens").to_pylist()
+    want = pq.read_table(sim / "requests.parquet").column("hit_tokens").to_pylist()
+    assert len(got) == REQUESTS and sum(got) > 0
+    mismatched = [(i, w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g]
+    assert not mismatched, f"(request, predicted, measured): {mismatched}"
