@@ -93,6 +93,9 @@ class Policy:
     # for a policy that needs more of the trace than its block keys (llama-slot: the prompts' tokens):
     # extend(table, block_size, options, prepared) -> the prepared trace it runs on (`--backend sim` calls it)
     extend: Callable | None = None
+    # a block cache (inserts, hits and evicts blocks one by one): the torch backend can store its KV and the
+    # block-cache properties hold (an unbounded one is the infinite cache); llama-slot keeps token sequences
+    blocks: bool = True
 
 
 def _checked(fn: Callable[..., SimOutput]) -> Callable[..., SimOutput]:
@@ -120,13 +123,14 @@ def policy(
     carry: type[Carry] | None = None,
     cache: type | None = None,
     extend: Callable | None = None,
+    blocks: bool = True,
 ):
     """Register `kernel` (the decorated function) and its pure-Python `reference` under `name`."""
 
     def wrap(kernel):
         summary = (kernel.__doc__ or name).strip().splitlines()[0]
         checked = _checked(kernel)
-        pol = Policy(name, summary, checked, reference, needs, options or {}, stack, carry, cache, extend)
+        pol = Policy(name, summary, checked, reference, needs, options or {}, stack, carry, cache, extend, blocks)
         _REGISTRY.add(name, pol)
         return checked
 

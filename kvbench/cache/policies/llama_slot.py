@@ -102,8 +102,11 @@ class LlamaSlots(PrefixCache):
         self.ram_limit = None if ram is None else _whole(ram, "cache_ram_tokens", 0)
         self.slots = [_Seq(np.zeros(0, np.int64), 0) for _ in range(self.n_slots)]
         self.last_used = [-1] * self.n_slots  # request index at release; -1: never used
-        self.ram: list[_Seq] = []  # oldest first
-        self.ram_tokens = 0
+        # the prompt cache: entry number -> sequence, oldest first, and the same entries by first token, since
+        # only those can share a prefix with a prompt (every scan of llama-server's list skips the others)
+        self.ram: dict[int, _Seq] = {}
+        self.ram_by_first: dict[int, dict[int, _Seq]] = {}
+        self.ram_tokens = self._entries = 0
         self.tokens = getattr(trace, "token_ids", None)
         if self.tokens is None and o.get("vocab") is not None:
             raise KvbenchError(
@@ -132,21 +135,32 @@ class LlamaSlots(PrefixCache):
         if self.ram_limit == 0 or seq.tokens.size == 0:
             return
         n = seq.tokens.size
-        if any(lcp(e.tokens, seq.tokens) == n for e in self.ram):
+        sharing = list(self.ram_by_first.get(int(seq.tokens[0]), {}).items())
+        if any(lcp(e.tokens, seq.tokens) == n for _, e in sharing):
             return
         if self.ram_limit is not None and n > self.ram_limit:
             return
-        kept = [e for e in self.ram if lcp(e.tokens, seq.tokens) < e.tokens.size]
-        self.ram_tokens -= sum(e.tokens.size for e in self.ram) - sum(e.tokens.size for e in kept)
-        self.ram = kept  # (a cached prefix of the saved sequence loses nothing: not an eviction)
+        for i, e in sharing:  # (a cached prefix of the saved sequence loses nothing: not an eviction)
+            if lcp(e.tokens, seq.tokens) == e.tokens.size:
+                self._ram_remove(i)
         while self.ram_limit is not None and self.ram and self.ram_tokens + n > self.ram_limit:
             self._drop_oldest()
-        self.ram.append(_Seq(seq.tokens, seq.tenant))
+        self.ram[self._entries] = entry = _Seq(seq.tokens, seq.tenant)
+        self.ram_by_first.setdefault(int(seq.tokens[0]), {})[self._entries] = entry
+        self._entries += 1
         self.ram_tokens += n
 
+    def _ram_remove(self, i: int) -> _Seq:
+        e = self.ram.pop(i)
+        bucket = self.ram_by_first[int(e.tokens[0])]
+        del bucket[i]
+        if not bucket:
+            del self.ram_by_first[int(e.tokens[0])]
+        self.ram_tokens -= e.tokens.size
+        return e
+
     def _drop_oldest(self) -> None:
-        gone = self.ram.pop(0)
-        self.ram_tokens -= gone.tokens.size
+        gone = self._ram_remove(next(iter(self.ram)))
         self._evicted(gone.tokens.size, gone.tenant)
 
     def _load(self, slot: int, prompt: np.ndarray) -> bool:
@@ -157,7 +171,7 @@ class LlamaSlots(PrefixCache):
         keep_best = _ratio(base, own.size) if own.size else np.float32(-1)
         sim_best = _ratio(base, prompt.size)
         best = None
-        for i, e in enumerate(self.ram):
+        for i, e in (self.ram_by_first.get(int(prompt[0]), {}) if prompt.size else {}).items():
             n = lcp(e.tokens, prompt)
             keep, sim = _ratio(n, e.tokens.size), _ratio(n, prompt.size)
             if keep < np.float32(0.25):
@@ -173,9 +187,7 @@ class LlamaSlots(PrefixCache):
             free = self.n_ctx - sum(s.tokens.size for i, s in enumerate(self.slots) if i != slot)
             if e.tokens.size > free:
                 return False
-        del self.ram[best]
-        self.ram_tokens -= e.tokens.size
-        self.slots[slot] = e
+        self.slots[slot] = self._ram_remove(best)
         return True
 
     # --- slot selection (get_available_slot) -------------------------------------------------------------
@@ -223,7 +235,17 @@ class LlamaSlots(PrefixCache):
         return head_p
 
     # --- one request -----------------------------------------------------------------------------------
+    def _check_driver(self) -> None:
+        if "insert" in self.__dict__ or "evict" in self.__dict__:
+            # a caller that follows block inserts and evictions (the torch backend's KV store) learns nothing
+            # from this policy, which never inserts or evicts a block
+            raise KvbenchError(
+                "policy llama-slot keeps token sequences per slot, not blocks, so this backend cannot store its "
+                "KV; replay it with --backend sim (exact with --vocab) or engine-sim"
+            )
+
     def begin(self, r: int) -> int:
+        self._check_driver()
         self.request = r
         t = self.trace
         prompt = self.prompt(r)
@@ -273,12 +295,13 @@ class LlamaSlots(PrefixCache):
         """Whether a slot or the prompt cache holds block `key` (block-key mode; engine-sim's router asks)."""
         bs = self.trace.block_size
         ident = np.arange(key * bs, key * bs + bs)
-        return any(np.isin(ident, s.tokens).all() for s in (*self.slots, *self.ram))
+        return any(np.isin(ident, s.tokens).all() for s in (*self.slots, *self.ram.values()))
 
     def lookup(self, r: int) -> int:
         """The most blocks any slot or cached sequence shares with request r: what `begin` can hit at most."""
+        self._check_driver()
         p = self.prompt(r)
-        best = max((lcp(s.tokens, p) for s in (*self.slots, *self.ram)), default=0)
+        best = max((lcp(s.tokens, p) for s in (*self.slots, *self.ram.values())), default=0)
         return min(best // self.trace.block_size, int(self.trace.max_hit[r]))
 
 
@@ -294,7 +317,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return LlamaSlots(trace, capacity, options).run()
 
 
-@policy("llama-slot", reference=reference, cache=LlamaSlots, options=OPTIONS, extend=with_tokens)
+@policy("llama-slot", reference=reference, cache=LlamaSlots, options=OPTIONS, extend=with_tokens, blocks=False)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """llama.cpp server: N slots of one sequence each, token LCP reuse, a host prompt cache."""
     # One implementation: each request is a handful of numpy prefix comparisons, not a per-block loop.

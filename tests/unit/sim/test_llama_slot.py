@@ -114,3 +114,12 @@ def test_token_mode_needs_the_sim_backend():
     t = table([[1, 2]])
     with pytest.raises(KvbenchError, match="only --backend sim"):
         LlamaSlots(prepare(t, BS), 100, {"vocab": 4096})
+
+
+def test_a_block_store_cannot_drive_it():
+    """The torch backend follows block inserts and evictions to place KV; this policy makes none."""
+    cache = LlamaSlots(prepare(table([[1, 2]]), BS), 100, {})
+    cache.insert = lambda key: None  # what the torch store does to follow a policy
+    with pytest.raises(KvbenchError, match="--backend sim"):
+        cache.lookup(0)
+    assert not policies.get("llama-slot").blocks and policies.get("lru").blocks
