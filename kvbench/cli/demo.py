@@ -36,7 +36,14 @@ from kvbench.cli.render import console
     "minutes, about 3.5 GB) and replay the first 40 fitting requests of each workload against it, beside the "
     "simulator's prediction",
 )
-def demo(out, overwrite, n, seed, live):
+@click.option(
+    "--live-llama",
+    is_flag=True,
+    help="with --live, also start llama.cpp's llama-server (compiled from source the first time: 5-16 min on "
+    "2 cores), replay the same requests against it beside the llama-slot policy's prediction, and write "
+    "OUT/compare/WORKLOAD/compare.html: both engines and both predictions side by side (hit rates 0..1)",
+)
+def demo(out, overwrite, n, seed, live, live_llama):
     """Generate every workload kind, replay each through the cache simulator over a small policy × capacity
     grid (with the Belady bound and the one-pass LRU curve), and write OUT/index.html linking every report."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -46,7 +53,10 @@ def demo(out, overwrite, n, seed, live):
     from kvbench.trace.generators import registry
 
     out = RunDir.claim(out, Path("reports/demo"), overwrite=overwrite, what="demo", resumable=False).path
-    steps = len(registry()) * (1 + len(demo_backends()) + (2 if live else 0)) + 1 + live
+    if live_llama and not live:
+        raise click.UsageError("--live-llama compares llama.cpp with the vLLM engine of --live: give both")
+    per_kind = 1 + len(demo_backends()) + (2 if live else 0) + (2 if live_llama else 0)
+    steps = len(registry()) * per_kind + 1 + live + live_llama
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
     ) as bar:
@@ -58,10 +68,12 @@ def demo(out, overwrite, n, seed, live):
         def engine_log(text: str) -> None:
             bar.update(task, description=f"engine: {text}")
 
-        result = run_demo(out, n=n, seed=seed, live=live, step=step, engine_log=engine_log)
+        result = run_demo(out, n=n, seed=seed, live=live, step=step, engine_log=engine_log, live_llama=live_llama)
     for r in result.runs:
         p = r.summary.get("points") or []
         click.echo(f"{r.workload:>14} {r.backend:>10}: {len(p)} points  {r.run_dir}/report.html")
     for what, why in result.skipped:
         click.echo(f"skipped {what}: {why}")
+    for page in sorted((result.out / "compare").glob("*/compare.html")):
+        click.echo(f"vLLM vs llama.cpp: {page}")
     click.echo(f"index: {result.out / 'index.html'}")

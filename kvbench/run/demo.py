@@ -167,8 +167,76 @@ def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str]
         demo.runs.append(DemoRun(workload, "prediction", run_dir, summary))
 
 
+def cap_outputs(table: pa.Table, most: int) -> pa.Table:
+    """output_tokens cut to `most` (and reasoning_tokens, a part of them, with it): what a replay with
+    max_output_tokens=most generates, written into the trace for a policy that needs it."""
+    import numpy as np
+
+    for name in ("output_tokens", "reasoning_tokens"):
+        if name in table.column_names:
+            i = table.schema.get_field_index(name)
+            col = table.column(name)
+            capped = np.minimum(col.to_numpy(zero_copy_only=False), most)
+            mask = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else None
+            table = table.set_column(i, table.schema.field(i), pa.array(capped, col.type, mask=mask))
+    return table
+
+
+def run_live_llama(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str], None]) -> None:
+    """llama.cpp on the live subsets `run_live` replayed on vLLM, beside the `llama-slot` prediction, and per
+    workload one `kvbench compare` page (demo/compare/WORKLOAD/) of both engines and both predictions."""
+    from kvbench import engines
+    from kvbench.report.compare import page_sections, write_page
+    from kvbench.run.comparison import compare
+    from kvbench.trace.files import read_trace
+
+    step("starting llama.cpp (compiles llama-server the first time: 5-16 min on 2 cores)")
+    info = engines.up("llama-cpp", progress=engine_log)
+    ctx = int(info.settings.get("ctx_size") or 8192)
+    by_kind = {(r.workload, r.backend): r.run_dir for r in demo.runs}
+    for workload in demo.traces:
+        original = demo.out / "live-traces" / f"{workload}.parquet"
+        if not original.exists() or (workload, "live") not in by_kind:
+            continue
+        table, meta = read_trace(original)
+        # the live replay caps outputs; the slot keeps the generated tokens, so the prediction must see the cap
+        table = cap_outputs(table, LIVE_OUTPUT_TOKENS)
+        trace = write_trace(table, demo.out / "live-traces" / f"{workload}-llama.parquet", meta)
+        step(f"{workload}: llama.cpp live replay of {table.num_rows} requests")
+        engines.down("llama-cpp")  # an empty server, as the prediction starts (and as vLLM's reset cache)
+        info = engines.up("llama-cpp", progress=engine_log, **info.settings)
+        # cpp-httplib drops some kept-alive connections as kvbench's client reuses them: a fresh one each
+        opts = {"url": info.url, "mode": "rate", "rate": 1000.0, "max_concurrency": 1, "send_lora": False}
+        live, summary = run_replay(
+            trace,
+            "openai",
+            {**opts, "headers": ("Connection: close",)},
+            out=demo.out / "runs" / f"{workload}-llama-live",
+        )
+        demo.runs.append(DemoRun(workload, "llama.cpp live", live, summary))
+        step(f"{workload}: llama-slot prediction")
+        opts = {"policy": "llama-slot", "capacity": str(-(-ctx // meta.block_size)), "bound": False, "vocab": 4096}
+        pred, summary = run_replay(trace, "sim", opts, out=demo.out / "runs" / f"{workload}-llama-prediction")
+        demo.runs.append(DemoRun(workload, "llama.cpp prediction", pred, summary))
+        runs = [by_kind[workload, "live"], live, by_kind[workload, "prediction"], pred]
+        cmp = compare(runs)
+        write_page(
+            demo.out / "compare" / workload,
+            "compare",
+            f"vLLM vs llama.cpp: {workload}",
+            page_sections(cmp, demo.out / "compare" / workload),
+            cmp.result,
+        )
+
+
 def run_demo(
-    out: Path, n: int = DEMO_REQUESTS, seed: int = 1, live: bool = False, step=print, engine_log=print
+    out: Path,
+    n: int = DEMO_REQUESTS,
+    seed: int = 1,
+    live: bool = False,
+    step=print,
+    engine_log=print,
+    live_llama: bool = False,
 ) -> Demo:
     from kvbench.report.demo_index import write_index
 
@@ -177,6 +245,8 @@ def run_demo(
     run_offline(demo, step)
     if live:
         run_live(demo, step, engine_log)
+        if live_llama:
+            run_live_llama(demo, step, engine_log)
     step("writing the index")
     write_index(demo)
     return demo

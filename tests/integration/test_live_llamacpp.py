@@ -7,14 +7,12 @@ cached_tokens exactly at concurrency 1. It ignores cache_salt, which the isolati
 
 from __future__ import annotations
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from kvbench import engines
 from kvbench.live.audit import audit_isolation
-from kvbench.run.demo import live_subset
+from kvbench.run.demo import cap_outputs, live_subset
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import read_trace, write_trace
 
@@ -69,9 +67,7 @@ def _fitted(kind: str, per_slot_ctx: int, out_dir) -> tuple:
     """The first REQUESTS requests of a sample, prompts cut to fit one slot's context, outputs capped."""
     table, meta = read_trace(SAMPLES / f"{kind}.parquet")
     sub, _ = live_subset(table, per_slot_ctx - OUTPUT_TOKENS - 8, REQUESTS, meta.block_size)
-    i = sub.schema.get_field_index("output_tokens")
-    capped = np.minimum(sub.column("output_tokens").to_numpy(), OUTPUT_TOKENS)
-    sub = sub.set_column(i, sub.schema.field(i), pa.array(capped, sub.schema.field(i).type))
+    sub = cap_outputs(sub, OUTPUT_TOKENS)
     return write_trace(sub, out_dir / f"{kind}.parquet", meta), meta.block_size
 
 
