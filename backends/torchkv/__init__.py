@@ -144,6 +144,12 @@ class TorchBackend:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if c.device == "auto" else c.device
         self.device = torch.device(device)
         self.policies = _policies.parse_names(c.policy)
+        for name in self.policies:  # refused before any run directory exists
+            if not _policies.get(name).blocks:
+                raise KvbenchError(
+                    f"--policy {name} keeps token sequences, not blocks, so the torch backend cannot store its KV "
+                    "block by block; replay it with --backend sim or --backend engine-sim"
+                )
         if c.copy_mode not in COPY_MODES:
             raise KvbenchError(f"--copy-mode {c.copy_mode!r}: choose {', '.join(COPY_MODES)}")
         self.kv_dtype = ("bf16" if self.device.type == "cuda" else "fp32") if c.kv_dtype == "auto" else c.kv_dtype

@@ -235,17 +235,7 @@ class LlamaSlots(PrefixCache):
         return head_p
 
     # --- one request -----------------------------------------------------------------------------------
-    def _check_driver(self) -> None:
-        if "insert" in self.__dict__ or "evict" in self.__dict__:
-            # a caller that follows block inserts and evictions (the torch backend's KV store) learns nothing
-            # from this policy, which never inserts or evicts a block
-            raise KvbenchError(
-                "policy llama-slot keeps token sequences per slot, not blocks, so this backend cannot store its "
-                "KV; replay it with --backend sim (exact with --vocab) or engine-sim"
-            )
-
     def begin(self, r: int) -> int:
-        self._check_driver()
         self.request = r
         t = self.trace
         prompt = self.prompt(r)
@@ -299,7 +289,6 @@ class LlamaSlots(PrefixCache):
 
     def lookup(self, r: int) -> int:
         """The most blocks any slot or cached sequence shares with request r: what `begin` can hit at most."""
-        self._check_driver()
         p = self.prompt(r)
         best = max((lcp(s.tokens, p) for s in (*self.slots, *self.ram.values())), default=0)
         return min(best // self.trace.block_size, int(self.trace.max_hit[r]))

@@ -102,7 +102,8 @@ def test_cli_replay_uses_the_aot_module(kernel_dir, tmp_path):
     )
     env = _env(kernel_dir, KVBENCH_CACHE_DIR=str(tmp_path / "trace-cache"))
     for sample in ("chat", "multi-tenant", "agent"):  # (multi-tenant: tenants, salts, LoRA adapters, priorities)
-        args = ["replay", f"traces/samples/{sample}.parquet", "--policy", "radix-lru,lru,vllm", "--capacity", "100,1000"]
+        args = ["replay", f"traces/samples/{sample}.parquet", "--policy", "radix-lru,lru,vllm",
+                "--capacity", "100,1000"]  # fmt: skip
         for run in ("first", "cached"):
             r = _python(code, *args, "--no-report", "--out", tmp_path / f"{sample}-{run}", env=env)
             assert r.returncode == 0, r.stderr

@@ -16,6 +16,8 @@ from kvbench.errors import KvbenchError
 from kvbench.live.prompts import prompt_tokens
 from kvbench.trace.schema import conform
 
+from ...conftest import CHAT
+
 BS = 4
 
 
@@ -116,10 +118,13 @@ def test_token_mode_needs_the_sim_backend():
         LlamaSlots(prepare(t, BS), 100, {"vocab": 4096})
 
 
-def test_a_block_store_cannot_drive_it():
-    """The torch backend follows block inserts and evictions to place KV; this policy makes none."""
-    cache = LlamaSlots(prepare(table([[1, 2]]), BS), 100, {})
-    cache.insert = lambda key: None  # what the torch store does to follow a policy
+def test_the_torch_backend_refuses_it_before_any_run(tmp_path):
+    """The torch backend stores KV block by block as a policy inserts and evicts; this policy keeps token
+    sequences per slot, so the backend refuses it by name, before a run directory exists."""
+    from kvbench.run.runner import run_replay
+
+    out = tmp_path / "torch"
     with pytest.raises(KvbenchError, match="--backend sim"):
-        cache.lookup(0)
+        run_replay(CHAT, "torch", {"policy": "llama-slot", "capacity": "100"}, out=out, report=False)
+    assert not out.exists()
     assert not policies.get("llama-slot").blocks and policies.get("lru").blocks

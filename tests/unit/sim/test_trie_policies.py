@@ -287,6 +287,8 @@ def runnable(trace):
             continue
         if set(policy.needs) - {"tenant"}:
             continue  # a column this test does not know how to check for
+        if not policy.blocks:
+            continue  # Belady bounds block caches; a slot cache's capacity is a context, not blocks
         yield name, policy
 
 

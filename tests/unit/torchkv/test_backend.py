@@ -12,7 +12,7 @@ from kvbench.cache import policies
 from kvbench.cli import main
 from kvbench.run.runner import run_replay
 
-ALL_POLICIES = [p for p in policies.registry() if p != "tenant-quota"]
+ALL_POLICIES = [p for p in policies.registry() if p != "tenant-quota" and policies.get(p).blocks]  # (block stores)
 
 
 def _replay(trace, backend, out, **options):
