@@ -225,7 +225,7 @@ def test_text_prompt_counts_words(vllm):
     assert resp["usage"]["prompt_tokens"] == 50
 
 
-# --- llama.cpp (only when `kvbench engine up llama-cpp` runs; required only by KVBENCH_REQUIRE_LLAMA_CPP) --
+# --- llama.cpp (when `kvbench engine up llama-cpp` runs; required under KVBENCH_REQUIRE_ENGINES, as CI sets) --
 
 
 @pytest.mark.engine
