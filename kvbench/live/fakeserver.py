@@ -10,8 +10,13 @@ Faults (`--fault N:KIND`: the N-th request received, counting from 0, or `every=
 http400, timeout (never answers), cut (drops the stream half-way), malformed (a line of invalid JSON), error
 (an error object inside the stream), html (a 200 HTML page, as a proxy's error page), json (a whole JSON answer
 where a stream was asked for), nodetails (usage without prompt_tokens_details, as servers that keep no prefix
-cache report it). `--require-key K`: the /v1 routes answer 401 without a key and 403 with a wrong
-one, as vLLM's --api-key does; the key may come as a bearer token, an X-Api-Key header or a basic-auth password.
+cache report it). Kept-alive connections (`--keepalive-max N`, `--close-after N`, `--idle-timeout S`): a server that
+answers the N-th request of a connection with `Connection: close` and closes it (cpp-httplib's keep-alive
+count); one that closes a connection after N answers without saying so (llama.cpp's llama-server, after each
+streamed answer), modelled as dropping unanswered the next request written on it, the request a client sends as
+the close crosses it; one that closes connections idle for S seconds.
+`--require-key K`: the /v1 routes answer 401 without a key and 403 with a wrong one, as vLLM's --api-key
+does; the key may come as a bearer token, an X-Api-Key header or a basic-auth password.
 """
 
 from __future__ import annotations
@@ -37,17 +42,24 @@ class FakeServer:
         fault: Callable[[int], str | None] | None = None,
         ignore_salt: bool = False,
         require_key: str | None = None,
+        keepalive_max: int | None = None,
+        close_after: int | None = None,
+        idle_timeout_s: float | None = None,
     ):
         self.block_size, self.itl_s, self.fault = block_size, itl_s, fault or (lambda n: None)
         self.ignore_salt = ignore_salt  # behave like llama.cpp, which shares its cache whatever the salt
         self.require_key = require_key
+        self.keepalive_max, self.close_after, self.idle_timeout_s = keepalive_max, close_after, idle_timeout_s
+        self.answered: dict = {}  # transport -> answers given on that connection (open connections only)
+        self.dropped = 0  # requests dropped unanswered by close_after
         self.cache: set[int] = set()
         self.received = 0
         self.running = 0
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "queries": 0, "hits": 0, "requests": 0}
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._check_key] if self.require_key else [])
+        handler_args = {} if self.idle_timeout_s is None else {"keepalive_timeout": self.idle_timeout_s}
+        app = web.Application(middlewares=[self._check_key] if self.require_key else [], handler_args=handler_args)
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/v1/models", self.models)
@@ -128,13 +140,27 @@ class FakeServer:
         return hit
 
     async def complete(self, request: web.Request):
+        conn = request.transport
+        self.answered = {t: n for t, n in self.answered.items() if not t.is_closing()}
+        served = self.answered.get(conn, 0)
+        if self.close_after is not None and served >= self.close_after:
+            # the connection is closed, as it would have been after its last answer, and this request that
+            # crossed the close gets no byte back (not counted as received: the server never took it)
+            self.dropped += 1
+            conn.close()
+            raise asyncio.CancelledError  # aiohttp ends the handler without an answer
+        self.answered[conn] = served + 1
+        last = self.keepalive_max is not None and served + 1 >= self.keepalive_max
         self.running += 1
         try:
-            return await self._complete(request)
+            resp = await self._complete(request, last)
         finally:
             self.running -= 1
+        if last and not resp.prepared:
+            resp.force_close()  # `Connection: close`, then the connection is closed
+        return resp
 
-    async def _complete(self, request: web.Request):
+    async def _complete(self, request: web.Request, last: bool = False):
         n = self.received
         self.received += 1
         fault = self.fault(n)
@@ -162,6 +188,8 @@ class FakeServer:
             text = {"message": {"role": "assistant", "content": "x" * out}} if chat else {"text": "x" * out}
             return web.json_response({"choices": [{"index": 0, **text}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if last:
+            resp.force_close()  # the connection's last allowed answer: `Connection: close`, then closed
         await resp.prepare(request)
         if fault == "timeout":
             await asyncio.sleep(3600)
@@ -214,10 +242,20 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="prefix-cache block size, tokens")
     ap.add_argument("--ignore-salt", action="store_true", help="share the cache across cache_salt (like llama.cpp)")
     ap.add_argument("--require-key", help="the /v1 routes answer 401/403 unless this key is sent")
+    ap.add_argument("--keepalive-max", type=int, help="answer a connection's N-th request with Connection: close")
+    ap.add_argument("--close-after", type=int, help="close a connection after N answers, without saying so")
+    ap.add_argument("--idle-timeout", type=float, help="close connections idle this many seconds")
     ap.add_argument("--fault", action="append", default=[], help="N:KIND or every=K:KIND; KIND in " + ", ".join(FAULTS))
     args = ap.parse_args()
     server = FakeServer(
-        args.block_size, args.itl_ms / 1000.0, fault_plan(args.fault), args.ignore_salt, args.require_key
+        args.block_size,
+        args.itl_ms / 1000.0,
+        fault_plan(args.fault),
+        args.ignore_salt,
+        args.require_key,
+        args.keepalive_max,
+        args.close_after,
+        args.idle_timeout,
     )
     try:
         import uvloop

@@ -9,7 +9,13 @@ when the answer is complete. aiohttp still does everything else (model discovery
 connection that cannot be opened here: `OpenAIClient` falls back to it, so its errors read as before).
 
 Framing (Content-Length, chunked with trailers, read-to-close bodies, 1xx answers first, keep-alive or not) is
-parsed by httptools, the llhttp parser uvicorn uses."""
+parsed by httptools, the llhttp parser uvicorn uses.
+
+Kept-alive connections go stale: a server may close one between two requests (an idle timeout, a cap on requests
+per connection, or, as llama.cpp's llama-server does, after every streamed answer while its head still says
+`Keep-Alive`), and a request written as that close crosses it sees the connection end before any byte of an
+answer. Such a request is sent once more on a fresh connection (RFC 9112 §9.3.1, "retrying requests"); see
+`Connection._may_resend`. A fault on a fresh connection, or once an answer began, is the request's fault."""
 
 from __future__ import annotations
 
@@ -48,6 +54,10 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.fut: asyncio.Future | None = None
         self.sse: EventStream | None = None
+        self.uses = 0  # requests written on this connection: more than 1, it was reused from the pool
+        self.request = b""  # the request in flight, kept to send it again (see `_may_resend`)
+        self.resend: asyncio.Task | None = None  # opening the fresh connection that sends it again
+        self.replacement: Connection | None = None  # that connection, once it carries the request
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -58,9 +68,13 @@ class Connection(asyncio.Protocol):
             except OSError:
                 pass
 
-    def post(self, request: bytes, sse: EventStream) -> asyncio.Future:
-        self.fut = fut = self.pool.loop.create_future()
+    def post(self, request: bytes, sse: EventStream, fut: asyncio.Future | None = None) -> asyncio.Future:
+        """`fut`: a request sent again here, after its reused connection went stale (the caller awaits it)."""
+        self.fut = fut = fut or self.pool.loop.create_future()
         self.sse, self.parser = sse, httptools.HttpResponseParser(self)
+        self.uses += 1
+        self.request = request
+        self.got_bytes = False  # any byte of an answer: from then on a fault is the request's, never resent
         self.head_done = self.complete = self.framed = False
         self.status, self.ctype = 0, b""
         self.body: bytearray | None = None
@@ -75,10 +89,16 @@ class Connection(asyncio.Protocol):
                 fut.set_exception(TimeoutError())
 
     def abort(self) -> None:
-        """The request gave up (timeout, cancelled): the connection is in an unknown state, never reused."""
-        self.fut = None
+        """The request gave up (timeout, cancelled): the connection is in an unknown state, never reused. A
+        request being sent again elsewhere gives up there too (the caller only knows this connection)."""
+        fut, self.fut = self.fut, None
         self.closed = True
         self.transport.abort()
+        if self.resend is not None:
+            self.resend.cancel()
+            r = self.replacement
+            if fut is not None and r is not None and r.fut is fut:  # not once r has finished and serves others
+                r.abort()
 
     # ------------------------------------------------------------------------------- the parser's callbacks
 
@@ -114,11 +134,15 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.head_done:  # (llhttp forgets keep-alive once feed_data returns)
+            # an answer with `Connection: close` (as cpp-httplib's on a connection's last allowed request), or an
+            # HTTP/1.0 one without `Connection: keep-alive`: the server closes the connection, which is then
+            # never put back in the pool (a request written on it would find it closed)
             self.complete, self.keep_alive = True, self.parser.should_keep_alive()
 
     # --------------------------------------------------------------------------------------------- bytes in
 
     def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
         if self.fut is None:  # bytes after the answer (a [DONE]-ended stream that went on): not reusable
             self.closed = True
             self.transport.close()
@@ -171,11 +195,47 @@ class Connection(asyncio.Protocol):
         if self.fut is None:
             return
         if not self.head_done:
+            if self._may_resend(exc):
+                self.resend = self.pool.loop.create_task(self._send_again(self.fut, exc))
+                return
             self._fail(ConnectionDropped() if exc is None else exc)
         elif not self.framed:
             self._finish(False)  # a read-to-close body ends here
         else:
             self._fail(BodyCut("the connection closed inside the body"))
+
+    def _may_resend(self, exc: BaseException | None) -> bool:
+        """Whether the request that saw this connection end is sent once more, on a fresh connection.
+
+        Only when the connection was reused (a kept-alive one from the pool) and it ended (EOF, or reset / broken
+        pipe) before a single byte of an answer: the server closed a connection it had stopped reading (idle, used
+        up, or closed after its last answer as llama-server does) as our request crossed the close. That is a
+        stale connection, not a server fault: RFC 9112 §9.3.1 expects clients to recover from such asynchronous
+        closes, and RFC 9110 §9.2.2 lets a client retry a POST automatically when it knows the request is
+        idempotent in effect, as a completion is (a second copy changes nothing but the prefix cache a first
+        warmed). A fresh connection that ends so, or a connection that ends once an answer began, is the
+        request's fault (`ConnectionDropped`, `BodyCut`) as before: a real one is never hidden. The request goes
+        again on a fresh connection, so it is sent again at most once; `Pool.resent` counts these."""
+        if self.uses < 2 or self.got_bytes:
+            return False
+        return exc is None or isinstance(exc, ConnectionError)  # EOF, reset, broken pipe, aborted
+
+    async def _send_again(self, fut: asyncio.Future, exc: BaseException | None) -> None:
+        """Send the request on a fresh connection; its answer (or fault) fulfils `fut`, which the caller awaits."""
+        self.pool.resent += 1
+        try:
+            c = await self.pool.open()
+        except OSError:
+            c = None  # no new connection either: the server is gone, and the dropped connection is the fault
+        if self.fut is not fut or fut.done():  # the request gave up meanwhile (its timeout, cancelled)
+            if c is not None:
+                self.pool.release(c)  # fresh and unused
+            return
+        if c is None:
+            self._fail(ConnectionDropped() if exc is None else exc)
+            return
+        self.replacement = c  # self.fut stays fut: the caller's expire and abort reach the request through here
+        c.post(self.request, self.sse, fut)
 
 
 class _PastTheAnswer(Exception):
@@ -206,6 +266,7 @@ class Pool:
         self.connections: set[Connection] = set()
         self.addresses: list[tuple] = []
         self.resolved_at = -DNS_TTL_S
+        self.resent = 0  # requests sent again after their reused connection went stale (Connection._may_resend)
 
     def take(self) -> Connection | None:
         """An idle connection, or None (then `open` one)."""
