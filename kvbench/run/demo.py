@@ -205,14 +205,8 @@ def run_live_llama(demo: Demo, step: Callable[[str], None], engine_log: Callable
         step(f"{workload}: llama.cpp live replay of {table.num_rows} requests")
         engines.down("llama-cpp")  # an empty server, as the prediction starts (and as vLLM's reset cache)
         info = engines.up("llama-cpp", progress=engine_log, **info.settings)
-        # cpp-httplib drops some kept-alive connections as kvbench's client reuses them: a fresh one each
         opts = {"url": info.url, "mode": "rate", "rate": 1000.0, "max_concurrency": 1, "send_lora": False}
-        live, summary = run_replay(
-            trace,
-            "openai",
-            {**opts, "headers": ("Connection: close",)},
-            out=demo.out / "runs" / f"{workload}-llama-live",
-        )
+        live, summary = run_replay(trace, "openai", opts, out=demo.out / "runs" / f"{workload}-llama-live")
         demo.runs.append(DemoRun(workload, "llama.cpp live", live, summary))
         step(f"{workload}: llama-slot prediction")
         opts = {"policy": "llama-slot", "capacity": str(-(-ctx // meta.block_size)), "bound": False, "vocab": 4096}

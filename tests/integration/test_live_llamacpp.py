@@ -22,9 +22,6 @@ pytestmark = pytest.mark.engine
 
 REQUESTS = 30  # per trace and server setting: each a fresh server, one request at a time
 OUTPUT_TOKENS = 4  # generated tokens stay in the slot (and are unknown offline): a few are enough to test that
-# cpp-httplib sometimes closes a kept-alive connection as kvbench's client reuses it ("connection dropped"); a
-# request lost that way never reaches a slot, which would break the comparison rather than test the policy
-FRESH_CONNECTIONS = ("Connection: close",)
 
 
 def test_prompts_and_cache_reporting(llama, tmp_path):
@@ -35,7 +32,6 @@ def test_prompts_and_cache_reporting(llama, tmp_path):
         "max_concurrency": 1,
         "max_requests": 20,
         "max_output_tokens": 1,
-        "headers": FRESH_CONNECTIONS,
     }
     run_dir, summary = run_replay(CHAT, "openai", opts, out=tmp_path / "r", report=False)
     rows = pq.read_table(run_dir / "requests.parquet")
@@ -81,7 +77,7 @@ def test_llama_slot_predicts_every_cached_token(restartable, tmp_path, kind, slo
     engines.down("llama-cpp")  # a fresh server: empty slots and prompt cache, as the prediction starts
     info = engines.up("llama-cpp", restart=True, ctx_size=ctx, engine_args=args)
     trace, bs = _fitted(kind, ctx if slots is None else ctx // slots, tmp_path)
-    live_opts = {"url": info.url, "mode": "rate", "rate": 1000.0, "max_concurrency": 1, "headers": FRESH_CONNECTIONS}
+    live_opts = {"url": info.url, "mode": "rate", "rate": 1000.0, "max_concurrency": 1}
     live, _ = run_replay(trace, "openai", live_opts, out=tmp_path / "live", report=False)
     sim_opts = {"policy": "llama-slot", "capacity": str(ctx // bs), "bound": False, "vocab": 4096}
     if slots is not None:
