@@ -1,5 +1,5 @@
 """The prompts' tokens for `llama-slot` in token mode (`--vocab`): exactly the ids `--backend openai` sends for
-each trace row (kvbench.live.prompts: a draw per block id and position, media spans overlaid), because
+each trace row (kvbench.trace.tokens: a draw per block id and position, media spans overlaid), because
 llama.cpp reuses a slot's longest common prefix token by token, and two prompts that part inside a block
 still share the tokens that happen to be equal there. Block ids are the trace's own, unsalted: llama.cpp has
 no cache_salt."""
@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from kvbench.cache.prepared import PreparedTrace
 from kvbench.errors import KvbenchError
+from kvbench.trace.tokens import overlay_media, prompt_tokens_batch
 
 
 @dataclass
@@ -25,8 +26,6 @@ class TokenTrace(PreparedTrace):
 
 def with_tokens(table: pa.Table, block_size: int, options: dict, prepared: PreparedTrace) -> PreparedTrace:
     """`prepared` with its prompts' tokens when --vocab is given (the Policy.extend hook), else as it is."""
-    from kvbench.live.prompts import overlay_media, prompt_tokens_batch
-
     vocab = options.get("vocab")
     if vocab is None:
         return prepared
