@@ -25,6 +25,7 @@ from kvbench.errors import KvbenchError
 from kvbench.options import served_model_option
 from kvbench.run.results import read_requests
 from kvbench.run.rundir import RunDir, stamp
+from kvbench.trace.schema import cap_outputs
 
 WORKLOADS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
 
@@ -53,8 +54,8 @@ def _prepare_trace(src: Path, out: Path, n: int, max_out: int, max_len: int | No
     engine's block size: the one file both replays read."""
     table = pq.read_table(src)
     meta = table.schema.metadata
-    outputs = pc.max_element_wise(pc.min_element_wise(table["output_tokens"], max_out), 1)
-    table = table.set_column(table.schema.get_field_index("output_tokens"), "output_tokens", outputs.cast(pa.int32()))
+    table = cap_outputs(table, max_out, least=1)
+    outputs = table["output_tokens"]
     fits = np.ones(table.num_rows, bool)
     if max_len:
         fits = (table["input_tokens"].to_numpy() + outputs.to_numpy()) <= max_len

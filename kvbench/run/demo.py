@@ -167,21 +167,6 @@ def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str]
         demo.runs.append(DemoRun(workload, "prediction", run_dir, summary))
 
 
-def cap_outputs(table: pa.Table, most: int) -> pa.Table:
-    """output_tokens cut to `most` (and reasoning_tokens, a part of them, with it): what a replay with
-    max_output_tokens=most generates, written into the trace for a policy that needs it."""
-    import numpy as np
-
-    for name in ("output_tokens", "reasoning_tokens"):
-        if name in table.column_names:
-            i = table.schema.get_field_index(name)
-            col = table.column(name)
-            capped = np.minimum(col.to_numpy(zero_copy_only=False), most)
-            mask = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else None
-            table = table.set_column(i, table.schema.field(i), pa.array(capped, col.type, mask=mask))
-    return table
-
-
 def run_live_llama(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str], None]) -> None:
     """llama.cpp on the live subsets `run_live` replayed on vLLM, beside the `llama-slot` prediction, and per
     workload one `kvbench compare` page (demo/compare/WORKLOAD/) of both engines and both predictions."""
@@ -189,6 +174,7 @@ def run_live_llama(demo: Demo, step: Callable[[str], None], engine_log: Callable
     from kvbench.report.compare import page_sections, write_page
     from kvbench.run.comparison import compare
     from kvbench.trace.files import read_trace
+    from kvbench.trace.schema import cap_outputs
 
     step("starting llama.cpp (compiles llama-server the first time: 5-16 min on 2 cores)")
     info = engines.up("llama-cpp", progress=engine_log)

@@ -129,3 +129,19 @@ def conform(table: pa.Table) -> pa.Table:
             columns.append(table.column(name))
             fields.append(table.schema.field(name))
     return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=table.schema.metadata))
+
+
+def cap_outputs(table: pa.Table, most: int, least: int = 0) -> pa.Table:
+    """output_tokens clipped to [least, most] and reasoning_tokens (a part of them; nulls kept) to at most that,
+    as int32: what a live replay with max_tokens capped at `most` generates, written into the trace so that a
+    prediction (a policy that keeps generated tokens, the fidelity triangle) sees the same outputs."""
+    import numpy as np
+
+    out = np.clip(table["output_tokens"].to_numpy(zero_copy_only=False), least, most).astype(np.int32)
+    table = table.set_column(table.schema.get_field_index("output_tokens"), "output_tokens", pa.array(out))
+    if "reasoning_tokens" in table.column_names:
+        i, col = table.schema.get_field_index("reasoning_tokens"), table["reasoning_tokens"]
+        mask = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else None
+        capped = np.minimum(col.fill_null(0).to_numpy(zero_copy_only=False), out).astype(np.int32)
+        table = table.set_column(i, "reasoning_tokens", pa.array(capped, mask=mask))
+    return table
