@@ -12,9 +12,10 @@ import pytest
 
 from kvbench import engines
 from kvbench.live.audit import audit_isolation
-from kvbench.run.demo import cap_outputs, live_subset
+from kvbench.run.demo import live_subset
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import read_trace, write_trace
+from kvbench.trace.schema import cap_outputs
 
 from ..conftest import CHAT, SAMPLES
 
