@@ -153,6 +153,7 @@ class OpenAIBackend:
         self.send_lora = c.send_lora
         self.pacing = Pacing(**{k: v for k, v in pacing.items() if v is not None})
         self.server: dict = {}
+        self.requests_resent = 0  # sent again on a fresh connection after a kept-alive one closed under them
 
     def config(self) -> dict:
         # summary.json holds this: credentials masked (the URL's user-info, secret headers), then every string
@@ -208,6 +209,7 @@ class OpenAIBackend:
             finally:
                 poller.cancel()
                 self._synth.shutdown(wait=False, cancel_futures=True)
+                self.requests_resent = client.pool.resent if client.pool is not None else 0
                 self.server["counters_after"] = await scrape(client.session, self.url)
 
     def _prepare(self, trace: pa.Table, meta: TraceMeta) -> None:
@@ -287,4 +289,4 @@ class OpenAIBackend:
         await self._client.send(self.payload(o.row), o)
 
     def extra(self) -> dict:
-        return {"server": self.server, "model": self.model}
+        return {"server": self.server, "model": self.model, "requests_resent": self.requests_resent}

@@ -363,6 +363,7 @@ def _merged_extra(finals: list[dict]) -> dict | None:
     first = min(finals, key=lambda f: f["connected_at_s"])
     last = max(finals, key=lambda f: f["sent_until_s"])
     extra = dict(finals[0]["extra"])
+    extra["requests_resent"] = sum(int(f["extra"].get("requests_resent") or 0) for f in finals)
     if "server" in extra:
         extra["server"] = {
             **first["extra"]["server"],

@@ -274,6 +274,8 @@ def point_summary(
         "cached_tokens_reported": sum(o.cached_tokens is not None for o in outcomes) > 0,
         "failures": failure_summary([o.status for o in outcomes], [o.error for o in outcomes]),
         "prompt_tokens_mismatch": mismatched,
+        # requests written on a kept-alive connection the server had closed, sent once more (not faults)
+        "requests_resent": int(extra.get("requests_resent") or 0),
         "latency": latency,
         "server_counters": reconcile(server.get("counters_before"), server.get("counters_after"), reported),
         "server_timeline": server.get("timeline") or None,

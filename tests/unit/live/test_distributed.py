@@ -91,16 +91,21 @@ def test_run_counters_come_from_the_scrapes_that_bound_every_worker():
     """The after-scrape is the one of the worker that stopped sending last, even when another worker's slower
     scrape ended later (that one could have missed the last worker's last answer)."""
 
-    def final(connected, sent_until, before, after):
+    def final(connected, sent_until, before, after, resent=0):
         return {
             "connected_at_s": connected,
             "sent_until_s": sent_until,
-            "extra": {"server": {"counters_before": {"prompt_tokens": before}, "counters_after": {"prompt_tokens": after}}},
+            "extra": {
+                "server": {"counters_before": {"prompt_tokens": before}, "counters_after": {"prompt_tokens": after}},
+                "requests_resent": resent,
+            },
         }
 
-    early_slow = final(-0.2, 10.00, 100.0, 900.0)  # stopped first, but its scrape took long
-    late_fast = final(-0.1, 10.02, 150.0, 1000.0)  # its last answer came after the other's scrape began
-    server = distributed._merged_extra([early_slow, late_fast])["server"]
+    early_slow = final(-0.2, 10.00, 100.0, 900.0, resent=2)  # stopped first, but its scrape took long
+    late_fast = final(-0.1, 10.02, 150.0, 1000.0, resent=3)  # its last answer came after the other's scrape began
+    merged = distributed._merged_extra([early_slow, late_fast])
+    assert merged["requests_resent"] == 5  # each worker's own client: the run's count is their sum
+    server = merged["server"]
     assert server["counters_before"] == {"prompt_tokens": 100.0}  # the scrape that ended first: before any send
     assert server["counters_after"] == {"prompt_tokens": 1000.0}
 

@@ -143,3 +143,23 @@ def test_http10_answers_without_keep_alive_end_their_connection():
     for o in outcomes:
         assert_ok(o)
     assert connections == 2
+
+
+def test_a_replay_records_how_many_requests_it_sent_again(tmp_path):
+    """The count reaches summary.json (per point), and every trace request has one ok row."""
+    import pyarrow.parquet as pq
+
+    from kvbench.run.runner import run_replay
+
+    from ...conftest import CHAT
+
+    srv = serve(close_after=1)
+    try:
+        opts = {"url": srv.url, "mode": "rate", "rate": 200.0, "max_requests": 40, "max_concurrency": 1}
+        run_dir, summary = run_replay(CHAT, "openai", opts, out=tmp_path / "r", report=False)
+    finally:
+        srv.stop()
+    rows = pq.read_table(run_dir / "requests.parquet")
+    assert set(rows.column("status").to_pylist()) == {"ok"}
+    point = summary["points"][0]
+    assert srv.server.dropped > 0 and point["requests_resent"] == srv.server.dropped
