@@ -110,6 +110,7 @@ def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n
             h += 1
         hit_blocks[r] = h
         hashed = kv_tokens[r] // bs
+        full = min(full, hashed)  # a guard: kv_tokens covers the prompt, so every full prompt block is hashed
         ev = 0
         while n_taken < need and n_free > 0:
             s = np.uint64(node[1])  # head of the free queue
@@ -149,32 +150,31 @@ def _vllm(keys, offsets, max_hit, input_tokens, kv_tokens, block_size, tenant, n
                     ev += 1
                     if multi:
                         matrix[t, owner[s]] += 1
-            node[b + u2] = _EMPTY
             node[b + u3] = _NIL
             pos = n_taken
-            if pos < hashed:
-                if pos < full:
-                    k = keys[lo + pos]
-                    kk = np.uint64(k)
-                    node[b + u2] = np.uint32(k)
-                    if head[kk] == _NIL:
-                        head[kk] = np.uint32(s)
-                        size += 1
-                        if multi:
-                            owner[s] = t
-                    else:
-                        c = np.uint64(head[kk])
-                        while node[four * c + u3] != _NIL:
-                            c = np.uint64(node[four * c + u3])
-                        node[four * c + u3] = np.uint32(s)
-                        if multi:
-                            owner[s] = owner[np.uint64(head[kk])]
+            if pos < full:
+                k = keys[lo + pos]
+                kk = np.uint64(k)
+                node[b + u2] = np.uint32(k)
+                if head[kk] == _NIL:
+                    head[kk] = np.uint32(s)
+                    size += 1
+                    if multi:
+                        owner[s] = t
                 else:
-                    node[b + u2] = _ANON
-            if node[b + u2] == _EMPTY:  # unhashed (the last one taken): to the head at the end
-                unhashed = s
-            else:
+                    c = np.uint64(head[kk])
+                    while node[four * c + u3] != _NIL:
+                        c = np.uint64(node[four * c + u3])
+                    node[four * c + u3] = np.uint32(s)
+                    if multi:
+                        owner[s] = owner[np.uint64(head[kk])]
+                _put_after(node, anchor, s)  # held, and already where its release puts it
+            elif pos < hashed:  # hashed with generated tokens
+                node[b + u2] = _ANON
                 _put_after(node, anchor, s)
+            else:  # unhashed (the last one taken): to the head at the end
+                node[b + u2] = _EMPTY
+                unhashed = s
             n_taken += 1
         if filled_at < 0 and made == slots:
             filled_at = base + r
