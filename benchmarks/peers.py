@@ -78,15 +78,22 @@ def _tail(text: str, lines: int = 8) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _runs(probe: list[str]) -> bool:
+    try:
+        return subprocess.run(probe, capture_output=True).returncode == 0
+    except OSError:  # not installed (no such executable)
+        return False
+
+
 def _ensure(dist: str, probe: list[str]) -> bool:
     """Whether `probe` runs, after pip-installing `dist` if it did not."""
-    if subprocess.run(probe, capture_output=True).returncode == 0:
+    if _runs(probe):
         return True
     print(f"{dist} not found: pip install {dist} ...", file=sys.stderr)
     r = subprocess.run([sys.executable, "-m", "pip", "install", dist], capture_output=True, text=True)
     if r.returncode != 0:
         print(f"  pip failed:\n{_tail(r.stderr)}", file=sys.stderr)
-    return subprocess.run(probe, capture_output=True).returncode == 0
+    return _runs(probe)
 
 
 @dataclass
