@@ -27,7 +27,19 @@ from kvbench.cache.nextuse import NextUseFile, spill_bytes
 from kvbench.cache.policies import SimOutput
 from kvbench.cache.prepared import PreparedTrace, fold_isolation, prepare_requests
 from kvbench.cache.stream import BlockIds
-from kvbench.cache.trie import CODE, NCHILD, NONE, OWNER, PARENT, PROT, STAMP, heap_add, heap_restore, sift_down
+from kvbench.cache.trie import (
+    CODE,
+    NCHILD,
+    NONE,
+    OWNER,
+    PARENT,
+    PROT,
+    STAMP,
+    heap_add,
+    heap_restore,
+    heap_size,
+    sift_down,
+)
 
 _FAR = np.int64(1) << 62
 HEAP_N, SIZE, FILLED_AT = range(3)  # fields of the int64 `state` carried from chunk to chunk
@@ -179,9 +191,7 @@ class StreamBound:
         self.ids = BlockIds(n_ids)
         self.nodes = np.zeros((n_ids, 8), np.int64)
         self.nodes[:, CODE], self.nodes[:, NCHILD], self.nodes[:, PROT] = NONE, -1, -1
-        size = 64
-        while size < 2 * min(capacity, n_ids) + 64:  # as trie.new_heap: room for every candidate leaf
-            size *= 2
+        size = heap_size(min(capacity, n_ids))  # room for every candidate leaf
         self.hp, self.hk = np.empty(size, np.int64), np.empty(size, np.int32)
         self.state = np.array([0, 0, -1], np.int64)
         self.stash_p = np.empty(2 * longest + 2, np.int64)  # a key is hidden at most twice per request

@@ -19,6 +19,7 @@ import heapq
 import numpy as np
 
 from kvbench.cache.compiled import SIM_OUT, i4, i8, kernel_fn
+from kvbench.cache.densify import scratch
 from kvbench.cache.policies import SimOutput
 from kvbench.cache.reference import PrefixCache
 
@@ -34,26 +35,35 @@ CODE, STAMP, PARENT, NCHILD, OWNER, PROT, PRIO, USED_BY = range(8)
 
 
 @kernel_fn()
-def new_nodes(parent):
-    nodes = np.zeros((parent.size, 8), np.int64)
+def init_nodes(nodes, parent):
+    """Every key not cached, in `nodes` (int64[n_keys, 8], contents undefined: a reused work buffer)."""
     for k in range(parent.size):
         nodes[k, CODE] = NONE
+        nodes[k, STAMP] = 0
         nodes[k, PARENT] = parent[k]
         nodes[k, NCHILD] = -1
+        nodes[k, OWNER] = 0
         nodes[k, PROT] = -1
+        nodes[k, PRIO] = 0
+        nodes[k, USED_BY] = 0
+
+
+@kernel_fn()
+def new_nodes(parent):
+    nodes = np.empty((parent.size, 8), np.int64)
+    init_nodes(nodes, parent)
     return nodes
 
 
 # --- binary heaps over (rank int64, key int32); b offsets a heap inside a larger array ------------------
 
 
-@kernel_fn()
-def new_heap(candidates):
-    """Arrays for a heap of at most `candidates` valid entries at a time (stale ones are compacted away)."""
+def heap_size(candidates: int) -> int:
+    """Room for a heap of at most `candidates` valid entries at a time (stale ones are compacted away)."""
     size = 64
     while size < 2 * candidates + 64:
         size *= 2
-    return np.empty(size, np.int64), np.empty(size, np.int32)
+    return size
 
 
 @kernel_fn()
@@ -110,7 +120,7 @@ def heap_compact(hp, hk, n, nodes, b=0):
 
 @kernel_fn()
 def heap_add(hp, hk, n, nodes, p, k):
-    """Push (p, k), compacting first when full (a heap sized by `new_heap` for all candidates then always has
+    """Push (p, k), compacting first when full (a heap of `heap_size` for all candidates then always has
     room). Returns the new size."""
     if n == hp.size:
         n = heap_compact(hp, hk, n, nodes)
@@ -143,15 +153,19 @@ def _rank(mode, nodes, k):
     return nodes[k, STAMP]
 
 
-@kernel_fn(SIM_OUT + "(i8, i4[::1], i4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i4[::1], i8[::1], i8[::1], i8)")
+@kernel_fn(
+    SIM_OUT + "(i8, i4[::1], i4[::1], i8[::1], i4[::1], i4[::1], i8, i8, i4[::1], i8[::1], i8[::1], i8, i8[:, ::1],"
+    " i8[::1], i4[::1])"
+)
 def leaf_kernel(
-    mode, parent, keys, offsets, max_hit, tenant, n_tenants, capacity, next_use, priority, expire_at, default_prio
-):
+    mode, parent, keys, offsets, max_hit, tenant, n_tenants, capacity, next_use, priority, expire_at, default_prio,
+    nodes, hp, hk,
+):  # fmt: skip
     """One pass of a leaf-first trie policy. A path's blocks are protected while their request runs, so their
-    heap entries are written only when it is done (most of them have stopped being leaves by then)."""
+    heap entries are written only when it is done (most of them have stopped being leaves by then). `nodes`
+    (int64[n_keys, 8]) and the heap's arrays `hp`, `hk` (heap_size(min(capacity, n_keys))) are work buffers."""
     n = offsets.size - 1
-    nodes = new_nodes(parent)
-    n_keys = parent.size
+    init_nodes(nodes, parent)
     # priority-lru: uses that set a non-default priority, in order of use, hence of expiry
     q_key = np.empty(keys.size + 1 if mode == PRIORITY_LRU else 1, np.int32)
     q_stamp = np.empty(q_key.size, np.int64)
@@ -161,7 +175,6 @@ def leaf_kernel(
         longest = max(longest, offsets[r + 1] - offsets[r])
     stash_p = np.empty(2 * longest + 2, np.int64)  # a key is hidden at most twice per request
     stash_k = np.empty(2 * longest + 2, np.int32)
-    hp, hk = new_heap(min(capacity, n_keys))
     hn = 0
     clock = 0
     size = 0
@@ -267,6 +280,11 @@ def leaf_kernel(
 
 def run_leaf_kernel(mode, trace, capacity, next_use=None, priority=None, expire_at=None, default_prio=0):
     dummy32, dummy64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+    # Work buffers reused from call to call (a sweep's points, one after another on a thread): fresh ones of
+    # this size (64 bytes a key) cost about as much in page faults as the whole simulation.
+    n_keys, room = trace.n_keys, heap_size(min(int(capacity), trace.n_keys))
+    nodes = scratch("trie.nodes", 8 * n_keys, np.int64).reshape(n_keys, 8)
+    hp, hk = scratch("trie.heap_ranks", room, np.int64), scratch("trie.heap_keys", room, np.int32)
     out = leaf_kernel(
         int(mode),
         i4(trace.parent),
@@ -280,6 +298,9 @@ def run_leaf_kernel(mode, trace, capacity, next_use=None, priority=None, expire_
         dummy64 if priority is None else i8(priority),
         dummy64 if expire_at is None else i8(expire_at),
         int(default_prio),
+        nodes,
+        hp,
+        hk,
     )
     return SimOutput(*out)
 
