@@ -199,11 +199,14 @@ class VllmBlockPool(Carry):
         self._slot_arrays(int(min(self.capacity + 1, self.INITIAL_SLOTS)))
 
     def _slot_arrays(self, slots: int) -> None:
-        """(Re)allocate the per-slot arrays for `slots` slots, keeping what the old ones held."""
+        """(Re)allocate the per-slot arrays for `slots` slots, keeping what the old ones held. The first ones come
+        from the scratch pool when the run may reuse buffers (fresh ones cost page faults at every call)."""
         for name, width, dtype in (("node", 4, np.uint32), ("owner", 1, np.int32)):
             old = getattr(self, name, None)
-            new = np.empty(width * slots, dtype)
-            if old is not None:
+            if old is None:
+                new = self.buffer(f"vllm.{name}", width * slots, dtype)
+            else:
+                new = np.empty(width * slots, dtype)
                 new[: old.size] = old
             setattr(self, name, new)
 
