@@ -20,6 +20,7 @@ import datetime as _dt
 import heapq
 import logging
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from kvbench.errors import KvbenchError
 from kvbench.live.latency import per_request
 from kvbench.live.pacing import Outcome, request_count, schedule_offsets
 from kvbench.live.replay import DONE, IncrementalResults, point_summary, previous_outcomes, resumed_clock
+from kvbench.run.executors import init_ray
 
 START_MARGIN_S = 2.0  # the shared start is this far after the workers are placed: it covers their connect
 POLL_S = 0.5  # how often the driver collects answered requests from the workers
@@ -285,11 +287,15 @@ def _ray():
     return ray
 
 
+def _note(message: str) -> None:
+    print(f"kvbench: {message}", file=sys.stderr)
+
+
 def _init_ray(ray, address: str, workers: int) -> None:
     try:
         address = address or os.environ.get("RAY_ADDRESS")  # (set by Ray for a `ray job submit` driver)
         if address:
-            ray.init(address=address, logging_level=logging.WARNING)
+            init_ray(ray, address, _note, logging_level=logging.WARNING)
         else:  # a new local cluster with a CPU for each worker, however few cores this machine has ("local": not
             # whatever cluster already runs on this machine, which ray.init() would join)
             cpus = max(os.cpu_count() or 1, workers)

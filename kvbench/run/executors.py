@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -281,8 +282,8 @@ class RayPool(PointPool):
             address = settings.ray_address or os.environ.get("RAY_ADDRESS") or "local"
             kwargs = {"num_cpus": settings.workers or os.cpu_count()} if address == "local" else {}
             try:
-                ray.init(
-                    address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+                init_ray(
+                    ray, address, self.say, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
                     **kwargs,
                 )  # fmt: skip
             except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -347,3 +348,25 @@ class RayPool(PointPool):
                 self.ray.cancel(ref, force=True)
         if self.started:
             self.ray.shutdown()
+
+
+RAY_CLIENT_TRIES = 3
+
+
+def init_ray(ray, address: str, say: Callable[[str], None], **kwargs) -> None:
+    """`ray.init(address=address, **kwargs)`, with a Ray Client address (ray://) tried again when the head could not
+    start this client's server. Ray's client proxy starts one server process per client, and on a busy head that
+    start sometimes fails at once (the head's ray_client_server.err says "SpecificServer startup failed"; the
+    client gets "Initialization failure from server"). The proxy cleans up and a new connection gets a new server,
+    so it is worth a second try; other errors are raised at once."""
+    for attempt in range(1, RAY_CLIENT_TRIES + 1):
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except ConnectionAbortedError as exc:  # (a ConnectionError: the callers report the last one)
+            if not str(address).startswith("ray://") or attempt == RAY_CLIENT_TRIES:
+                raise
+            ray.shutdown()
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            say(f"Ray Client {address}: {first}; connecting again ({attempt} of {RAY_CLIENT_TRIES - 1} retries)")
+            time.sleep(2.0 * attempt)

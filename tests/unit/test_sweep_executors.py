@@ -244,3 +244,36 @@ def test_help_explains_executors():
     assert r.exit_code == 0
     for text in ("--executor", "local", "process", "ray", "--workers", "--retries", "--ray-address", "ray://"):
         assert text in r.output
+
+
+class _FlakyRay:
+    """Fault injection: a Ray whose client connection fails as a busy head's does, `failures` times."""
+
+    def __init__(self, failures: int):
+        self.failures, self.calls = failures, []
+
+    def init(self, address, **kwargs):
+        self.calls.append(address)
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionAbortedError("Initialization failure from server:\n")
+
+    def shutdown(self):
+        self.calls.append("shutdown")
+
+
+def test_a_ray_client_connection_is_tried_again_when_the_head_cannot_start_its_server(monkeypatch):
+    from kvbench.run import executors
+
+    monkeypatch.setattr(executors.time, "sleep", lambda s: None)
+    said: list[str] = []
+    ray = _FlakyRay(failures=2)
+    executors.init_ray(ray, "ray://head:10001", said.append)
+    assert ray.calls == ["ray://head:10001", "shutdown"] * 2 + ["ray://head:10001"]
+    assert len(said) == 2 and "Initialization failure from server" in said[0]
+    with pytest.raises(ConnectionAbortedError):  # the last failure is the caller's to report
+        executors.init_ray(_FlakyRay(failures=executors.RAY_CLIENT_TRIES), "ray://head:10001", said.append)
+    plain = _FlakyRay(failures=1)
+    with pytest.raises(ConnectionAbortedError):  # not a Ray Client address: no second try
+        executors.init_ray(plain, "10.0.0.1:6379", said.append)
+    assert plain.calls == ["10.0.0.1:6379"]
