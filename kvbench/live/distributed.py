@@ -20,16 +20,16 @@ import datetime as _dt
 import heapq
 import logging
 import os
-import sys
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchError, KvbenchWarning
 from kvbench.live.latency import per_request
 from kvbench.live.pacing import Outcome, request_count, schedule_offsets
 from kvbench.live.replay import DONE, IncrementalResults, point_summary, previous_outcomes, resumed_clock
@@ -288,7 +288,7 @@ def _ray():
 
 
 def _note(message: str) -> None:
-    print(f"kvbench: {message}", file=sys.stderr)
+    warnings.warn(message, KvbenchWarning, stacklevel=3)  # as the run's other notes are given
 
 
 def _init_ray(ray, address: str, workers: int) -> None:
