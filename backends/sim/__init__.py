@@ -357,7 +357,6 @@ class _StreamedPoint:
             tenant_names=scanned.tenant_names,
             block_references=scanned.block_references,
             chunk_refs=scanned.chunk_refs,
-            longest=scanned.longest,
             vllm_cap=pol.name == "vllm",  # vLLM recomputes at least the last prompt token
             use_salt=sim.salt,
             share_lora=sim.share_lora_kv,

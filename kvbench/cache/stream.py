@@ -97,9 +97,9 @@ class BlockIds:
 class StreamReplay:
     """One policy at one capacity over a trace given chunk by chunk, in row order: record batches with
     `block_hashes` and the per-request columns (input_tokens, tenant, priority, arrival_s, and cache_salt,
-    lora for isolation). Sized up front from the trace's totals: `block_references` (all of them),
-    `chunk_refs` (the most in one chunk) and `longest` (the most in one request); `tenant_names` are all the
-    trace's tenants, so that tenant codes (and the evictor/victim matrix) agree across chunks."""
+    lora for isolation). Sized up front from the trace's totals: `block_references` (all of them) and
+    `chunk_refs` (the most in one chunk); `tenant_names` are all the trace's tenants, so that tenant codes
+    (and the evictor/victim matrix) agree across chunks."""
 
     def __init__(
         self,
@@ -110,14 +110,13 @@ class StreamReplay:
         tenant_names: list[str],
         block_references: int,
         chunk_refs: int,
-        longest: int,
         vllm_cap: bool,
         use_salt: bool,
         share_lora: bool,
     ):
         n_ids = int(min(capacity, block_references) + chunk_refs + 1)
         self.ids = BlockIds(n_ids)
-        self.cache = carry_cls(n_ids, tenant_names, capacity, longest)
+        self.cache = carry_cls(n_ids, tenant_names, capacity)
         self.evict_matrix = np.zeros((len(tenant_names), len(tenant_names)), np.int64)
         self.block_size, self.tenant_names, self.vllm_cap = block_size, tenant_names, vllm_cap
         self.use_salt, self.share_lora = use_salt, share_lora

@@ -53,9 +53,8 @@ class Carry:
     back the ids that `cached()` reports False (so only policies whose state is nil for uncached blocks can
     carry). `reuse_buffers` takes the work arrays from the per-thread scratch pool (one run at a time)."""
 
-    def __init__(self, n_ids: int, tenant_names: list[str], capacity: int, longest: int, reuse_buffers=False):
+    def __init__(self, n_ids: int, tenant_names: list[str], capacity: int, reuse_buffers=False):
         self.n_ids, self.n_tenants, self.capacity = n_ids, len(tenant_names), capacity
-        self.longest = longest  # most blocks in one request
         self.state = np.zeros(STATE_FIELDS, np.int64)
         self._reuse = reuse_buffers
 
@@ -73,8 +72,7 @@ class Carry:
     @classmethod
     def run(cls, trace: PreparedTrace, capacity: int, options=None) -> SimOutput:
         """The whole trace in one chunk, with dense keys: the in-memory kernel."""
-        longest = int(trace.n_blocks.max()) if trace.n_requests else 0
-        return cls(trace.n_keys, trace.tenant_names, capacity, longest, reuse_buffers=True).feed(trace)
+        return cls(trace.n_keys, trace.tenant_names, capacity, reuse_buffers=True).feed(trace)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ def test_stream_equals_in_memory(path, name, capacity):
         tenant_names=prepared.tenant_names,
         block_references=int(sum(n.sum() for n in n_blocks)),
         chunk_refs=int(max(n.sum() for n in n_blocks)),
-        longest=int(max(n.max(initial=0) for n in n_blocks)),
         vllm_cap=vllm_cap,
         use_salt=True,
         share_lora=False,
