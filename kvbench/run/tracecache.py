@@ -81,14 +81,22 @@ def code_stamp() -> str:
 def parquet_footer_hash(path: Path) -> str:
     """blake2b of the Parquet footer (file metadata: schema, row group offsets, sizes and statistics, kvbench's
     metadata with its creation time): a file rewritten with other content has another one."""
-    with open(path, "rb") as f:
-        f.seek(-8, os.SEEK_END)
-        tail = f.read(8)
+    return _stat_and_footer(path)[1]
+
+
+def _stat_and_footer(path) -> tuple[os.stat_result, str]:
+    """The file's stat and footer hash through one descriptor (a warm run's whole check of the file: ~25 us
+    where `Path.resolve`, `stat` and buffered reads took ~45)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        tail = os.pread(fd, 8, max(st.st_size - 8, 0))
         length = int.from_bytes(tail[:4], "little")
-        if tail[4:] != b"PAR1" or length + 8 > os.fstat(f.fileno()).st_size:
+        if len(tail) != 8 or tail[4:] != b"PAR1" or length + 8 > st.st_size:
             raise ValueError(f"{path}: no Parquet footer")
-        f.seek(-8 - length, os.SEEK_END)
-        return hashlib.blake2b(f.read(length), digest_size=16).hexdigest()
+        return st, hashlib.blake2b(os.pread(fd, length, st.st_size - 8 - length), digest_size=16).hexdigest()
+    finally:
+        os.close(fd)
 
 
 class CachedTrace:
@@ -110,10 +118,9 @@ class TraceCache:
 
     @classmethod
     def for_file(cls, trace_path, root: Path | None = None) -> TraceCache | None:
-        path = Path(trace_path).resolve()
+        path = Path(os.path.abspath(trace_path))  # not resolved: a link and its target may have two entries
         try:
-            st = path.stat()
-            footer = parquet_footer_hash(path)
+            st, footer = _stat_and_footer(path)
         except (OSError, ValueError):
             return None  # not there, not Parquet: reading it says what is wrong
         identity = (code_stamp(), str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

@@ -11,6 +11,9 @@ _NIL = np.uint32(0xFFFFFFFF)  # no slot (a `head` entry of a key not cached; a h
 _ANON = np.uint32(0xFFFFFFFF)  # slot key: hashed with generated tokens, which no trace request can ask for
 _EMPTY = np.uint32(0xFFFFFFFE)  # slot key: holds no hash (never used yet, or a partly filled block)
 _SLOTS_MADE = TAIL  # state field (this policy has no other use for it): slots handed out at least once so far
+# a slot's key with this bit set: a younger copy (head[key] is another slot). Evicting the oldest copy, the
+# common case, then writes head[key] without reading it first (a read that missed the caches on large traces)
+_COPY = np.uint32(0x80000000)
 
 
 @kernel_fn()
@@ -47,7 +50,8 @@ def _vllm(keys, offsets, max_hit, input_tokens, output_tokens, block_size, tenan
     come after anything put at the head, before anything appended); real slots are 2, 3, ... as made.
 
     Slot s is the record node[4s:4s+4]: prev and next in the free queue (the mark's prev is _NIL once it has
-    left the queue), the key it holds (or _ANON / _EMPTY), and the next copy of that key. One record per slot
+    left the queue), the key it holds (or _ANON / _EMPTY; with _COPY set on a younger copy: keys are dense ids
+    below 2**31 - 2), and the next copy of that key. One record per slot
     keeps a slot's fields in one cache line, and unsigned indices spare numba's negative-index fix-ups (as in
     `lru`). `head[k]`: the oldest slot holding key k (_NIL: not cached). `owner[s]`: the tenant whose request
     first cached the key (kept with several tenants only). The records hold `node.size // 4` slots: the
@@ -152,16 +156,17 @@ def _vllm(keys, offsets, max_hit, input_tokens, output_tokens, block_size, tenan
                     anchor, an = z, hd
             old = node[b + u2]
             if old < _EMPTY:  # a trace key: evict this copy
-                ko = np.uint64(old)
                 later = node[b + u3]  # the next copy of that key
-                c = np.uint64(head[ko])
-                if c == s:
-                    head[ko] = later
+                if old < _COPY:  # the oldest copy
+                    head[np.uint64(old)] = later
                     if later == _NIL:  # the last copy: the key leaves the cache
                         ev += 1
                         if multi:
                             matrix[t, owner[s]] += 1
+                    else:
+                        node[four * np.uint64(later) + u2] = old  # now the oldest: its key without the bit
                 else:  # a younger copy: unlink it, the key stays cached
+                    c = np.uint64(head[np.uint64(old ^ _COPY)])
                     while np.uint64(node[four * c + u3]) != s:
                         c = np.uint64(node[four * c + u3])
                     node[four * c + u3] = later
@@ -170,12 +175,13 @@ def _vllm(keys, offsets, max_hit, input_tokens, output_tokens, block_size, tenan
             if pos < full:
                 k = keys[np.uint64(lo + pos)]
                 kk = np.uint64(k)
-                node[b + u2] = np.uint32(k)
                 if head[kk] == _NIL:
+                    node[b + u2] = np.uint32(k)
                     head[kk] = np.uint32(s)
                     if multi:
                         owner[s] = t
                 else:
+                    node[b + u2] = np.uint32(k) | _COPY
                     c = np.uint64(head[kk])
                     while node[four * c + u3] != _NIL:
                         c = np.uint64(node[four * c + u3])
@@ -208,6 +214,8 @@ class VllmBlockPool(Carry):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.n_ids > 0x7FFFFFFE:  # _COPY takes a key's top bit
+            raise ValueError(f"{self.n_ids} block ids: the vllm kernel holds at most 2**31 - 2")
         self.head = self.buffer("vllm.head", self.n_ids, np.uint32)
         self._slot_arrays(int(min(self.capacity + 1, self.INITIAL_SLOTS)))
 

@@ -89,6 +89,22 @@ def test_a_loaded_prepared_trace_equals_a_fresh_one(tenants_trace):
         assert np.array_equal(loaded.next_use(), fresh.next_use())
 
 
+@pytest.mark.parametrize("content", [b"", b"PAR", b"not a parquet file at all", b"PAR1" + b"\xff" * 4 + b"PAR1"])
+def test_a_file_that_is_not_parquet_has_no_entry(tmp_path, content):
+    """Short files, other files, and a footer length past the file's start: no entry (reading says why)."""
+    path = tmp_path / "x.parquet"
+    path.write_bytes(content)
+    assert TraceCache.for_file(path) is None
+    assert TraceCache.for_file(tmp_path / "missing.parquet") is None
+
+
+def test_the_entry_is_the_files_under_a_relative_path_too(tenants_trace, monkeypatch):
+    monkeypatch.chdir(tenants_trace.parent)
+    relative = TraceCache.for_file(Path(tenants_trace.name))
+    assert relative.folder == TraceCache.for_file(tenants_trace).folder
+    assert relative.footer == tracecache.parquet_footer_hash(tenants_trace)
+
+
 def test_an_option_that_changes_the_preparation_misses(tenants_trace, tmp_path):
     replay(tenants_trace, tmp_path / "salted")
     for options, part in (
