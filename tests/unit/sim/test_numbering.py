@@ -47,3 +47,30 @@ def test_numbering_grows_across_many_small_chunks():
     np.testing.assert_array_equal(numbering.parent(), parent)
     assert numbering.n_keys == parent.size == np.unique(ids).size
     numbering.close()
+
+
+def _by_first_appearance(ids: np.ndarray) -> np.ndarray:
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    rank = np.empty(first.size, np.int64)
+    rank[np.argsort(first)] = np.arange(first.size)
+    return rank[inverse].astype(np.uint64)
+
+
+@pytest.mark.parametrize("case", ["ordered", "ordered but one id ahead in the last request", "small, any order"])
+def test_densify_paths_agree(case):
+    """densify's paths for imported ids (ids already in first-appearance order: no table; small ids: a direct
+    table) give the keys and parents of the general hash table, which the same ids made large take."""
+    rng = np.random.default_rng(3)
+    ids = _by_first_appearance(rng.zipf(1.2, 30_000) % 4000)
+    offsets = np.concatenate([[0], np.sort(rng.choice(np.arange(1, ids.size), 1500, replace=False)), [ids.size]])
+    if case == "ordered but one id ahead in the last request":
+        ids[offsets[-2] + 1] = ids.max() + 2
+    elif case == "small, any order":
+        ids = rng.permutation(int(ids.max()) + 1).astype(np.uint64)[ids]
+    keys, parent = densify(ids, offsets)
+    large = ids * np.uint64(0x9E3779B97F4A7C15) + np.uint64(1 << 40)  # the general path: too large for a table
+    want_keys, want_parent = densify(large, offsets)
+    np.testing.assert_array_equal(keys, want_keys)
+    np.testing.assert_array_equal(parent, want_parent)
+    if case == "ordered":
+        np.testing.assert_array_equal(keys, ids.astype(np.int32))  # its own dense keys
