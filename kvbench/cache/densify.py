@@ -155,7 +155,7 @@ def _densify_ordered(ids, offsets, bound):
     imported traces such as Mooncake's) are their own dense keys: no table. Returns ok=False once a request
     holds an id that breaks the rule (the caller then uses the general path). Without a branch on whether an
     id is new (on Mooncake two ids in three are, in no pattern a predictor learns): an id that is not new
-    writes its parent to a spare slot at `bound`; 0.78x the time of the branching loop."""
+    writes its parent to a spare slot at `bound`."""
     keys = np.empty(ids.size, dtype=np.int32)
     parent = np.empty(bound + 1, dtype=np.int32)
     largest = np.int64(-1)
