@@ -12,9 +12,9 @@ the file's bytes and of a few options, so it is stored once per file (docs/archi
       <key>/prepared-<opts>/ one `PreparedTrace` per preparing option set (salt folded, LoRA shared, vLLM's cap):
                              arrays.bin (its arrays, loaded memory-mapped) and prepared.json (their layout)
 
-The key is a hash of the file's identity as the filesystem gives it (absolute path, device, inode, size,
-mtime and ctime in ns), of the cache format and of the preparing code (`code_stamp`): one `stat`, no read of
-the trace, where its content fingerprint would cost a pass over every block id (what the cache saves). The
+The key is a hash of the file's identity as the filesystem gives it (absolute path with links not resolved,
+device, inode, size, mtime and ctime in ns), of the cache format and of the preparing code (`code_stamp`): one
+`fstat`, no read of the trace, where its content fingerprint would cost a pass over every block id. The
 ctime catches what an mtime alone misses (`touch -d`, `cp -p`, rsync restoring an older time, which all set
 the ctime to now); the Parquet footer's hash, stored in the entry and compared on load (one read of a few KB),
 catches a rewrite of the same size within one timestamp tick. The content fingerprint is stored in the entry
