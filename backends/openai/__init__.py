@@ -240,7 +240,7 @@ class OpenAIBackend:
             self._batch(0)  # ready before the first send
 
     def _batch(self, batch: int) -> Future:
-        from kvbench.live.prompts import prompt_tokens_batch
+        from kvbench.trace.tokens import prompt_tokens_batch
 
         if batch not in self._batches:
             lo, hi = self._batch_lo[batch], self._batch_lo[batch + 1]
@@ -255,7 +255,7 @@ class OpenAIBackend:
     def _tokens(self, row: int) -> np.ndarray:
         """Token ids of row `row`, synthesised a batch of rows at a time (one vectorised pass instead of a
         dozen small numpy calls per request, which cost ~0.2 ms each on the event loop)."""
-        from kvbench.live.prompts import overlay_media
+        from kvbench.trace.tokens import overlay_media
 
         batch = int(self._row_batch[row])
         tokens, starts = self._batch(batch).result()

@@ -16,8 +16,8 @@ from kvbench.backends.torchkv.pools import DiskPool, TensorPool, checksums
 from kvbench.backends.torchkv.store import HBM, BlockStore
 from kvbench.backends.torchkv.transfers import Mover
 
-from kvbench.live.prompts import prompt_tokens
 from kvbench.run.backend import PointResult
+from kvbench.trace.tokens import prompt_tokens
 
 FILL_PATTERNS = 64  # distinct random blocks that stand in for computed KV when compute is off
 VOCAB = 4096

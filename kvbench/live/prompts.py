@@ -1,9 +1,9 @@
 """Prompts synthesised from block ids, for backends that need real tokens (live engines, real attention).
 
-A trace stores block ids, not text. Token i of block j is drawn from the block's id alone (splitmix64 of id and
-i), so two requests get the same tokens exactly where their block ids are equal, which is where the trace
-says they share content: an engine's prefix cache sees the sharing the trace describes, and nothing else
-(docs/semantics.md, Block ids and prompts). Multimodal spans (`mm_items`) are then overwritten with a token
+A trace stores block ids, not text. `kvbench.trace.tokens` draws the tokens: token i of block j from the block's id
+alone (splitmix64 of id and i), so two requests get the same tokens exactly where their block ids are equal, which
+is where the trace says they share content: an engine's prefix cache sees the sharing the trace describes, and
+nothing else (docs/semantics.md, Block ids and prompts). Multimodal spans (`mm_items`) are then overwritten with a token
 run drawn from the item's content hash, so the same image, video or audio clip is the same tokens wherever it
 appears; that is how a text-only engine sees media (it cannot reuse an encoder output, only a prefix).
 
@@ -22,12 +22,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.trace.blockhash import splitmix64
-from kvbench.trace.tokens import (  # noqa: F401 (RESERVED_TOKENS, overlay_media, prompt_tokens_batch: re-exported)
-    RESERVED_TOKENS,
-    overlay_media,
-    prompt_tokens,
-    prompt_tokens_batch,
-)
 
 
 def words(tokens) -> str:

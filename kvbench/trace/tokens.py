@@ -13,9 +13,14 @@ from kvbench.trace.blockhash import mix, splitmix64
 RESERVED_TOKENS = 16  # ids below this are left alone: engines' special tokens live there
 
 
-def _token_run(seed: np.uint64, n: int, vocab: int) -> np.ndarray:
-    draws = splitmix64(mix(seed, np.arange(n, dtype=np.uint64)))
+def _draw(seeds, index, vocab: int) -> np.ndarray:
+    """Token ids (int64) in [RESERVED_TOKENS, vocab) drawn from (seed, index) pairs."""
+    draws = splitmix64(mix(seeds, index))
     return (draws % np.uint64(vocab - RESERVED_TOKENS) + np.uint64(RESERVED_TOKENS)).astype(np.int64)
+
+
+def _token_run(seed: np.uint64, n: int, vocab: int) -> np.ndarray:
+    return _draw(seed, np.arange(n, dtype=np.uint64), vocab)
 
 
 def prompt_tokens(
@@ -27,10 +32,7 @@ def prompt_tokens(
     # block j, token i -> mix(id_j, i): one vectorised draw for the whole prompt
     block = np.repeat(ids, block_size)[:input_tokens]
     pos = np.tile(np.arange(block_size, dtype=np.uint64), n)[:input_tokens]
-    tokens = (splitmix64(mix(block, pos)) % np.uint64(vocab - RESERVED_TOKENS) + np.uint64(RESERVED_TOKENS)).astype(
-        np.int64
-    )
-    return overlay_media(tokens, mm_items, vocab)
+    return overlay_media(_draw(block, pos, vocab), mm_items, vocab)
 
 
 def prompt_tokens_batch(
@@ -44,9 +46,7 @@ def prompt_tokens_batch(
     row = np.repeat(np.arange(inp.size), inp)
     t = np.arange(starts[-1], dtype=np.int64) - starts[row]
     ids = flat_hashes[np.asarray(block_offsets, dtype=np.int64)[row] + t // block_size]
-    draws = splitmix64(mix(ids, (t % block_size).astype(np.uint64)))
-    tokens = (draws % np.uint64(vocab - RESERVED_TOKENS) + np.uint64(RESERVED_TOKENS)).astype(np.int64)
-    return tokens, starts
+    return _draw(ids, (t % block_size).astype(np.uint64), vocab), starts
 
 
 def overlay_media(tokens: np.ndarray, mm_items: list[dict] | None, vocab: int) -> np.ndarray:

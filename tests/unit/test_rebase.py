@@ -19,10 +19,11 @@ import pytest
 
 from kvbench.cache.policies import vllm
 from kvbench.cache.prepared import prepare
-from kvbench.live.prompts import prompt_tokens, rebase_blocks
+from kvbench.live.prompts import rebase_blocks
 from kvbench.trace.files import read_meta, read_trace
 from kvbench.trace.generators import get
 from kvbench.trace.schema import MM_ITEM, conform
+from kvbench.trace.tokens import prompt_tokens
 
 from ..conftest import REPO
 

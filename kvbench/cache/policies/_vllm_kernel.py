@@ -31,13 +31,7 @@ def _put_between(node, at, nxt, s):
 @kernel_fn()
 def _put_after(node, at, s):
     """Link slot `s` into the free queue right after node `at` (0, the sentinel: at the head)."""
-    four, u1 = np.uint64(4), np.uint64(1)
-    a, b = four * at, four * s
-    nxt = np.uint64(node[a + u1])
-    node[b] = np.uint32(at)
-    node[b + u1] = np.uint32(nxt)
-    node[a + u1] = np.uint32(s)
-    node[four * nxt] = np.uint32(s)
+    _put_between(node, at, np.uint64(node[np.uint64(4) * at + np.uint64(1)]), s)
 
 
 @kernel_fn(

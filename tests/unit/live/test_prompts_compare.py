@@ -9,9 +9,10 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from kvbench.live.prompts import RESERVED_TOKENS, prompt_tokens, rebase_blocks, words
+from kvbench.live.prompts import rebase_blocks, words
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import read_trace
+from kvbench.trace.tokens import RESERVED_TOKENS, prompt_tokens
 
 from ...conftest import CHAT, REPO
 
@@ -103,7 +104,7 @@ def test_compare_shows_the_fidelity_gap(fake_server, tmp_path):
 
 
 def test_batched_synthesis_equals_per_request():
-    from kvbench.live.prompts import prompt_tokens_batch
+    from kvbench.trace.tokens import prompt_tokens_batch
 
     table, meta = read_trace(CHAT)
     table = table.slice(100, 300)

@@ -13,8 +13,8 @@ from kvbench.cache.policies.llama_slot_tokens import with_tokens
 from kvbench.cache.policy_options import parse_policy_options
 from kvbench.cache.prepared import prepare
 from kvbench.errors import KvbenchError
-from kvbench.live.prompts import prompt_tokens
 from kvbench.trace.schema import conform
+from kvbench.trace.tokens import prompt_tokens
 
 from ...conftest import CHAT
 

@@ -5,7 +5,7 @@ from kvbench.backends.torchkv.compute import VOCAB, PagedAttentionModel
 from kvbench.backends.torchkv.geometry import KvGeometry, layer_kv
 
 from kvbench.errors import KvbenchError
-from kvbench.live.prompts import prompt_tokens
+from kvbench.trace.tokens import prompt_tokens
 
 T = 16
 POOL_BLOCKS = 48
