@@ -58,6 +58,7 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     """
     from kvbench.report import twin as report
     from kvbench.trace.files import new_meta, write_trace
+    from kvbench.trace.fit import check as self_check
     from kvbench.trace.fit import model, synth
     from kvbench.trace.validation import check, read_valid_trace
 
@@ -81,21 +82,35 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     _say(f"wrote {out} ({twin.num_rows:,} requests)")
 
     fid = None
+    st_twin = model.structure(twin)
     if fidelity:
-        _say("measuring fidelity (infinite cache, radix-lru at 8 capacities, original and twin)…")
+        _say("self-check: infinite cache and radix-lru at 8 capacities, original and twin…")
         fid = report.fidelity(table, src, twin, out, meta.block_size, scale)
+        fid["statistics"] = self_check.compare(st_orig, table, st_twin, twin)
+        warning = self_check.verdict(fid, fid["statistics"])
+        fid["faithful"] = warning is None
         params["fidelity"] = fid
         _say(
-            f"  infinite-cache gap {fid['infinite_cache']['gap_steady']:.4f}, "
-            f"largest curve gap {fid['max_curve_gap_steady']:.4f} (token hit rate, steady state)"
+            f"  infinite-cache gap {fid['infinite_cache']['gap_steady']:.4f} (target {self_check.INFINITE_TARGET}), "
+            f"largest curve gap {fid['max_curve_gap_steady']:.4f} (target {self_check.CURVE_TARGET}; token hit rate, "
+            "steady state)"
         )
+        # the verdict travels with the twin: `kvbench trace info` on it shows whether it was faithful
+        source["self_check"] = {
+            "infinite_cache_gap": fid["infinite_cache"]["gap_steady"],
+            "max_curve_gap": fid["max_curve_gap_steady"],
+            "faithful": fid["faithful"],
+        }
+        write_trace(twin, out, new_meta(meta.block_size, source))
+        if warning:
+            _say(warning)
     params_path = Path(params_path) if params_path else out.with_suffix(".params.json")
     params_path.write_text(json.dumps(params, indent=1) + "\n")
     report_dir = Path(report_dir) if report_dir else out.with_suffix(".report")
     _say("writing the report…")
     try:
         paths = report.write(
-            report_dir, f"Synthetic twin of {src.name}", params, table, twin, st_orig, model.structure(twin), fid
+            report_dir, f"Synthetic twin of {src.name}", params, table, twin, st_orig, st_twin, fid
         )
     except ValueError as exc:
         raise KvbenchError(f"{report_dir}: could not write the report ({exc})") from None

@@ -27,9 +27,13 @@ from kvbench.trace.stats import infinite_cache_hits
 FRESH, EXTEND, BRANCH = 0, 1, 2
 KIND_NAMES = ("fresh", "extend", "branch")
 LEVELS = 201  # quantile levels stored per distribution: 0.5% steps, enough to keep point masses of counts
-MODEL_VERSION = 1
-MAX_ROOTS = 10_000  # root prefixes whose popularity the parameters list
-BUCKET_MIN = 50  # samples a length bucket needs for its own distribution
+MODEL_VERSION = 2
+MAX_ROWS = 40_000  # joint rows kept: a uniform subsample past that
+TENTHS = 10
+JOINT_COLUMNS = (
+    "shared_blocks", "distance_blocks", "new_blocks", "last_block_tokens", "output_tokens", "holder_beyond", "lag_s",
+    "tenth", "holders",
+)  # fmt: skip
 
 
 def quantiles(values) -> list[float]:
@@ -38,47 +42,6 @@ def quantiles(values) -> list[float]:
     if values.size == 0:
         return []
     return [float(q) for q in np.quantile(values, np.linspace(0.0, 1.0, LEVELS))]
-
-
-def by_length(values, lengths) -> dict:
-    """Quantile tables of `values` per length bucket (powers of two: 1, 2-3, 4-7, … blocks or turns), for buckets
-    with at least BUCKET_MIN samples, and of all values ("all"); `for_length` picks one. Conversations grow
-    less per turn as they get longer (Mooncake: 9.7 new blocks after prompts under 10 blocks, 3.4 after 80 or more)."""
-    values, lengths = np.asarray(values), np.asarray(lengths)
-    bucket = length_bucket(lengths)
-    out = {"all": quantiles(values)}
-    for b in np.unique(bucket).tolist():
-        if np.sum(bucket == b) >= BUCKET_MIN:
-            out[str(b)] = quantiles(values[bucket == b])
-    return out
-
-
-def for_length(tables: dict, length: int) -> list[float]:
-    """The table `by_length` fitted for `length`: its own bucket's, else the nearest bucket's that has one (the
-    longer on a tie), else all values'. The nearest and not all values': a bucket too rare for its own table is
-    still more like its neighbours than like the bulk (Mooncake: branches sharing 64+ blocks are too few, and all
-    branches' reuse distances are mostly a popular system prompt's, a second or less, against minutes)."""
-    b = int(length_bucket(length))
-    own = [int(k) for k in tables if k != "all"]
-    if not own:
-        return tables["all"]
-    return tables[str(min(own, key=lambda k: (abs(k - b), -k)))]
-
-
-def length_bucket(lengths):
-    return np.floor(np.log2(np.maximum(np.asarray(lengths, dtype=np.float64), 1))).astype(np.int64)
-
-
-def at(table: list[float], u: float, discrete: bool = True) -> float:
-    """The quantile at level u in [0, 1), as `draw` takes it: the nearest level for counts, interpolated else."""
-    if not table:
-        return 0.0
-    x = u * (len(table) - 1)
-    if discrete:
-        return table[min(int(x + 0.5), len(table) - 1)]
-    lo = int(x)
-    hi = min(lo + 1, len(table) - 1)
-    return table[lo] + (table[hi] - table[lo]) * (x - lo)
 
 
 def draw(table: list[float], rng: np.random.Generator, n: int, discrete: bool) -> np.ndarray:
@@ -94,6 +57,47 @@ def draw(table: list[float], rng: np.random.Generator, n: int, discrete: bool) -
     return np.interp(u, np.arange(q.size), q)
 
 
+class Recency:
+    """Blocks by the request that last touched them, as a Fenwick tree over request indices: how many distinct
+    blocks were touched after a given request (its blocks' LRU stack distance) in O(log n), and the request
+    after which a given number of distinct blocks were touched."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tree = [0] * (n + 1)
+        self.total = 0
+
+    def add(self, request: int, count: int) -> None:
+        self.total += count
+        i = request + 1
+        while i <= self.n:
+            self.tree[i] += count
+            i += i & -i
+
+    def held_up_to(self, request: int) -> int:
+        """Blocks whose last touch was by a request <= `request`."""
+        i, out = request + 1, 0
+        while i > 0:
+            out += self.tree[i]
+            i -= i & -i
+        return out
+
+    def after(self, request: int) -> int:
+        """Distinct blocks touched after `request`: the stack distance of the blocks it last touched."""
+        return self.total - self.held_up_to(request)
+
+    def request_at(self, distance: float) -> int:
+        """The latest request with at least `distance` distinct blocks touched after it (-1 if none is)."""
+        limit, pos, bit = self.total - distance, 0, 1 << self.n.bit_length()
+        acc = 0
+        while bit:
+            nxt = pos + bit
+            if nxt <= self.n and acc + self.tree[nxt] <= limit:
+                pos, acc = nxt, acc + self.tree[nxt]
+            bit >>= 1
+        return pos - 1  # pos = requests 0..pos-1 hold at most `limit` blocks
+
+
 def structure(table: pa.Table) -> dict:
     """Per-request reuse structure of a trace (in arrival order): kind, shared blocks, parent row, lag (s)."""
     hashes = table.column("block_hashes").combine_chunks()
@@ -105,14 +109,33 @@ def structure(table: pa.Table) -> dict:
     shared = infinite_cache_hits(hashes)
     n = n_blocks.size
     parent = np.full(n, -1, dtype=np.int64)
+    distance = np.full(n, np.nan)
+    holders = np.zeros(n, dtype=np.int64)  # earlier requests holding the last shared block: its popularity
+    held: dict[int, int] = {}
     last_holder: dict[int, int] = {}
-    # One pass over the ids: the holder of a block id before request i is the latest earlier request with it.
+    recency = Recency(n)
+    # One pass over the ids: the holder of a block id before request i is the latest earlier request with it;
+    # the distinct blocks touched since the parent are its shared prefix's LRU stack distance.
     for i in range(n):
         lo, hi = offsets[i], offsets[i + 1]
         if shared[i] > 0:
-            parent[i] = last_holder[int(flat[lo + shared[i] - 1])]
+            node = int(flat[lo + shared[i] - 1])
+            parent[i] = last_holder[node]
+            distance[i] = recency.after(int(parent[i]))
+            holders[i] = held.get(node, 0)
+        moved: dict[int, int] = {}
+        mine = 0
         for b in flat[lo:hi].tolist():
-            last_holder[b] = i
+            h = last_holder.get(b)
+            if h != i:
+                mine += 1
+                held[b] = held.get(b, 0) + 1
+                if h is not None:
+                    moved[h] = moved.get(h, 0) + 1
+                last_holder[b] = i
+        for h, c in moved.items():
+            recency.add(h, -c)
+        recency.add(i, mine)
     kind = np.full(n, FRESH, dtype=np.int8)
     reuse = parent >= 0
     parent_len = np.where(reuse, n_blocks[np.maximum(parent, 0)], 0)
@@ -132,6 +155,8 @@ def structure(table: pa.Table) -> dict:
         "parent_len": parent_len,
         "kind": kind,
         "lag_s": lag,
+        "distance_blocks": distance,
+        "holders": holders,
         "arrival_s": arrival,
     }
 
@@ -173,36 +198,6 @@ def session_stats(session: np.ndarray, arrival: np.ndarray) -> dict:
     }
 
 
-def _root_shares(first: np.ndarray, reuse_head: np.ndarray) -> list[float]:
-    """Popularity of root prefixes (a prompt's first block: a system prompt): the share of sessions that start
-    from a shared prefix under each root, the roots in the order the trace first used them (the twin's roots are
-    numbered as its fresh prompts create them). At most MAX_ROOTS roots; past them the twin draws no root."""
-    uniq, first_row, inverse = np.unique(first, return_index=True, return_inverse=True)
-    rank = np.empty(uniq.size, dtype=np.int64)
-    rank[np.argsort(first_row, kind="stable")] = np.arange(uniq.size)
-    counts = np.bincount(rank[inverse[reuse_head]], minlength=uniq.size)[:MAX_ROOTS]
-    total = counts.sum()
-    return [float(c / total) for c in counts] if total else []
-
-
-def _uncut_turns(session: np.ndarray, head: np.ndarray, arrival: np.ndarray) -> np.ndarray:
-    """Turns of the sessions that the trace's window did not cut short: those that started at least the 99th
-    percentile of session spans before the end. The twin cuts its own sessions at the window's end, so drawing
-    from the cut counts of every session would cut twice (Mooncake: 4% fewer requests, 0.025 less hit rate)."""
-    n = session.size
-    turns = np.bincount(session, minlength=n)
-    first = np.full(n, np.inf)
-    last = np.full(n, -np.inf)
-    np.minimum.at(first, session, arrival)
-    np.maximum.at(last, session, arrival)
-    heads = np.flatnonzero(head)
-    spans = last[heads] - first[heads]
-    horizon = float(np.quantile(spans, 0.99)) if heads.size else 0.0
-    uncut = heads[first[heads] <= arrival.max() - horizon]
-    # too few sessions would make the distribution noisier than the cut is biased
-    return turns[uncut] if uncut.size >= max(50, heads.size // 2) else turns[heads]
-
-
 def arrival_model(arrival: np.ndarray) -> dict:
     """Rate over time (a cumulative count curve on equal time bins) and the burstiness left once the rate curve
     is taken out: gaps in rescaled time, where a Poisson process at the fitted rate has exponential gaps of
@@ -239,56 +234,51 @@ def _shares(table: pa.Table, column: str) -> dict[str, float]:
     return {c["values"]: c["counts"] / total for c in sorted(counts, key=lambda c: str(c["values"]))}
 
 
+def tenths(n: int) -> np.ndarray:
+    """Each of n requests' tenth of the trace, by arrival order."""
+    return np.minimum((np.arange(n) * TENTHS) // max(n, 1), TENTHS - 1)
+
+
+def _joint(st: dict, inp: np.ndarray, out: np.ndarray, block_size: int, rng: np.random.Generator) -> dict:
+    """The joint table of JOINT_COLUMNS, a row per request: the empirical joint distribution, so that lengths
+    keep their correlation with each other and with how much of a prompt is shared and how far back. Rows keep
+    their tenth of the trace: a trace's window starts cold (its first requests find less to reuse) and its
+    conversations deepen as it goes, and a twin's request draws from its own tenth. Subsampled uniformly to at
+    most MAX_ROWS rows (an unbiased sample of the same distribution, of bounded size in the parameters)."""
+    nb, shared = st["n_blocks"], st["shared"]
+    tail = inp - (nb - 1) * block_size
+    lag = np.nan_to_num(st["lag_s"], nan=0.0)
+    # blocks the latest holder of the shared prefix has past it: 0 or 1 when the request continues where that
+    # request ended (a conversation's next turn), more when it branches off inside it
+    beyond = np.where(shared > 0, st["parent_len"] - shared, 0)
+    distance = np.nan_to_num(st["distance_blocks"], nan=0.0)
+    tenth = tenths(nb.size)
+    rows = np.stack([shared, distance, nb - shared, tail, out, beyond, np.round(lag, 6), tenth, st["holders"]], axis=1)
+    sel = np.arange(nb.size)
+    if sel.size > MAX_ROWS:
+        sel = np.sort(rng.choice(sel, MAX_ROWS, replace=False))
+    return {"columns": list(JOINT_COLUMNS), "rows": rows[sel].tolist()}
+
+
 def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
     """Fit the twin's parameters to a trace (sorted by arrival). Returns (params, structure of the trace)."""
     if table.num_rows == 0:
         raise ValueError("the trace has no requests")
     st = structure(table)
-    kind, nb, shared, parent_len = st["kind"], st["n_blocks"], st["shared"], st["parent_len"]
+    kind = st["kind"]
     inp = table.column("input_tokens").to_numpy().astype(np.int64)
     out = table.column("output_tokens").to_numpy().astype(np.int64)
-    tail = inp - (nb - 1) * block_size  # tokens in the last block, 1..block_size
     named = _named_sessions(table)
     session, _ = sessions_of(kind, st["parent"])
-    head = session == np.arange(session.size)  # first request of its (inferred) session
-    _, turns = np.unique(session, return_counts=True)
-    head_turns = np.bincount(session, minlength=session.size)  # turns of the session a head starts
-    turn_ext = (kind == EXTEND) & ~head
-    # A session starts fresh or from a prefix shared with an earlier request (a branch, or a second extend of a
-    # request that was already continued: a fork, which shares all of its parent but the dropped blocks).
-    reuse_head = head & (kind != FRESH)
+    rng = np.random.default_rng(0)  # the subsample of the joint table: the same trace gives the same parameters
     params = {
-        "model": "prefix-reuse",
+        "model": "prefix-attach",
         "model_version": MODEL_VERSION,
         "block_size": block_size,
         "requests": int(table.num_rows),
         "arrival": arrival_model(st["arrival_s"]),
-        "session_arrival": arrival_model(st["arrival_s"][head]),
+        "joint": _joint(st, inp, out, block_size, rng),
         "kinds": {name: float(np.mean(kind == k)) for k, name in enumerate(KIND_NAMES)},
-        "sessions_start": {
-            "fresh": float(np.mean(kind[head] == FRESH)),
-            "shared_prefix": float(reuse_head.sum() / max(head.sum(), 1)),
-        },
-        "turns_per_session": quantiles(_uncut_turns(session, head, st["arrival_s"])),
-        # a session's first prompt by its number of turns (Mooncake: 26 blocks for single-turn sessions, 16 for
-        # longer ones); keys are buckets of turns, as of lengths
-        "fresh": {"blocks": by_length(nb[head & (kind == FRESH)], head_turns[head & (kind == FRESH)])},
-        "extend": {
-            "lag_s": quantiles(st["lag_s"][turn_ext]),
-            "dropped_blocks": quantiles((parent_len - shared)[turn_ext]),
-            "new_blocks": by_length((nb - shared)[turn_ext], parent_len[turn_ext]),
-        },
-        "branch": {
-            # by shared blocks: a short popular prefix (a system prompt) was used moments ago, a long shared
-            # document longer ago
-            "lag_s": by_length(st["lag_s"][reuse_head], shared[reuse_head]),
-            "root_shares": _root_shares(st["first_block"], reuse_head),
-            "shared_blocks": quantiles(shared[reuse_head]),
-            "new_blocks": by_length((nb - shared)[reuse_head], head_turns[reuse_head]),
-        },
-        "last_block_tokens": quantiles(tail),
-        "output_tokens": quantiles(out),
-        "input_tokens": quantiles(inp),
         "sessions": {
             "named": None if named is None else session_stats(named, st["arrival_s"]),
             "inferred": session_stats(session, st["arrival_s"]),

@@ -1,11 +1,14 @@
-"""A synthetic twin from fitted parameters (`model.fit`): arrivals, then each request's kind, parent and blocks.
+"""A synthetic twin from fitted parameters (`model.fit`): arrivals, then each request attached to the prefix tree.
 
-The twin is generated request by request in arrival order, the way the model reads a trace (model.py): a fresh
-request gets new blocks; an extend takes the request that arrived `lag` seconds earlier, keeps its blocks but
-the dropped ones and appends new blocks; a branch takes the first `shared` blocks of the request `lag` seconds
-earlier and appends its own. Popular prefixes are not listed anywhere: they arise, as in the trace, from
-requests copying prefixes that earlier requests copied. New blocks get ids no other block has, so equal id still
-means equal prefix.
+The twin is grown request by request in arrival order (docs/semantics.md, Fitting a synthetic twin). A request
+draws one row of the fitted joint table of (shared blocks, reuse distance, new blocks, last-block tokens, output
+tokens), or a fresh row, by the fitted fresh share of its tenth of the trace. A reusing request then attaches at
+the tree node of the drawn depth whose *last touch* is nearest the drawn reuse distance before it: the same
+quantity the fit measured in the trace (seconds since the latest request holding that prefix). It keeps that
+node's path and appends new blocks, with ids no other block has, so equal id still means equal prefix.
+
+Popular prefixes, conversation chains and fan-out are not drawn separately: they arise, as in the trace, from
+requests attaching where the trace's requests attached, at the depths and distances they did.
 """
 
 from __future__ import annotations
@@ -16,16 +19,113 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.trace.blockhash import content_ids, name_key
-from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, at, draw, for_length
+from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, JOINT_COLUMNS, TENTHS, Recency, draw
 
-BRANCH_SEARCH = (
-    256  # requests looked back for a branch's parent: bounds the cost of a prefix no prompt is long enough for
-)
+NCOL = len(JOINT_COLUMNS)
+
+LOOK = 64  # stale records skipped, each way, when looking for a node or a prompt's end near a request
 
 
-def arrivals(arrival: dict, n: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+BANDS = 2  # length bands either side a next turn may continue a prompt of (2 bands: within about 19%)
+
+
+def length_band(length: int) -> int:
+    """Bands of path lengths an eighth of an octave wide (about 9%): a next turn continues a prompt of about
+    the length the trace's did, where exact lengths rarely meet."""
+    return int(np.floor(8 * np.log2(max(length, 1))))
+
+
+class _Tree:
+    """The twin's prefix tree. Every node (block) has the latest request holding it; `recency` counts blocks
+    by that request, so the distinct blocks touched since a request (the LRU stack distance of what it last
+    touched) is a Fenwick query. Touches are listed per depth and prompt ends per length band, both in request
+    order, so the candidate nearest a request is a bisection away; a record is stale once its node was touched
+    again (or its prompt continued)."""
+
+    def __init__(self, n: int) -> None:
+        self.recency = Recency(n)
+        self.by_depth: list[tuple[list[int], list[int]]] = [([], [])]  # depth -> (requests, nodes) per touch
+        self.last: list[int] = []  # node -> index of its latest touch in its depth's lists
+        self.holder: list[int] = []  # node -> the latest request holding it
+        self.ends: dict[int, list[int]] = {}  # length band -> requests whose prompt has a length in it
+        self.paths: list[list[int]] = []  # request -> its path
+        self.continued: list[bool] = []  # request -> a later request already continued where it ended
+
+    def add(self, keep: list[int], new: int) -> list[int]:
+        """Request len(paths): its path is `keep` (existing nodes, root first) and `new` fresh nodes."""
+        request = len(self.paths)
+        first = len(self.holder)
+        self.holder.extend([-1] * new)
+        self.last.extend([-1] * new)
+        path = keep + list(range(first, first + new))
+        moved: dict[int, int] = {}
+        for d, node in enumerate(path, start=1):
+            h = self.holder[node]
+            if h >= 0:
+                moved[h] = moved.get(h, 0) + 1
+            if d >= len(self.by_depth):
+                self.by_depth.append(([], []))
+            requests, nodes = self.by_depth[d]
+            self.last[node] = len(requests)
+            self.holder[node] = request
+            requests.append(request)
+            nodes.append(node)
+        for h, c in moved.items():
+            self.recency.add(h, -c)
+        self.recency.add(request, len(path))
+        self.paths.append(path)
+        self.continued.append(False)
+        self.ends.setdefault(length_band(len(path)), []).append(request)
+        return path
+
+    def deepest(self) -> int:
+        return len(self.by_depth) - 1
+
+    def _nearest(self, requests: list[int], target: int, valid) -> int | None:
+        """Index in `requests` (ascending) of a valid record nearest `target` in stack distance: the latest at
+        or before it, or the earliest after it, whichever is closer; None if neither is within LOOK records."""
+        pos = bisect.bisect_right(requests, target) - 1
+        before = next((k for k in range(pos, max(pos - LOOK, -1), -1) if valid(k)), None)
+        after = next((k for k in range(pos + 1, min(pos + 1 + LOOK, len(requests))) if valid(k)), None)
+        if before is None or after is None:
+            return before if after is None else after
+        want = self.recency.after(target) if target >= 0 else self.recency.total
+        far_before = self.recency.after(requests[before]) - want
+        short_after = want - self.recency.after(requests[after])
+        return after if short_after < far_before else before
+
+    def node_at(self, depth: int, distance: float) -> int:
+        """The latest holder of the node at `depth` whose stack distance is nearest `distance` (the most
+        recently touched node of that depth when no record near it is current)."""
+        requests, nodes = self.by_depth[depth]
+        k = self._nearest(requests, self.recency.request_at(distance), lambda k: self.last[nodes[k]] == k)
+        return self.holder[nodes[-1 if k is None else k]]
+
+    def end_at(self, length: int, distance: float, slack: float) -> int | None:
+        """A request not yet continued, still the latest holder of its last block, with a length within BANDS
+        bands of `length`, whose stack distance is nearest `distance` and within `slack` of it; else None."""
+        best, best_gap = None, slack
+        target = self.recency.request_at(distance)
+        centre = length_band(length)
+        for band in range(centre - BANDS, centre + BANDS + 1):
+            requests = self.ends.get(band)
+            if not requests:
+                continue
+
+            def valid(k, requests=requests):
+                r = requests[k]
+                return not self.continued[r] and self.holder[self.paths[r][-1]] == r
+
+            k = self._nearest(requests, target, valid)
+            if k is not None and abs(self.recency.after(requests[k]) - distance) <= best_gap:
+                best, best_gap = requests[k], abs(self.recency.after(requests[k]) - distance)
+        return best
+
+
+def arrivals(arrival: dict, n: int, rng: np.random.Generator) -> np.ndarray:
     """n arrival times (s): gaps drawn with the fitted burstiness in rescaled time, mapped through the fitted
-    cumulative rate curve; `scale` times the requests over the same duration is `scale` times the rate."""
+    cumulative rate curve, so n requests span the trace's duration whatever n is (a K-times twin has K times
+    the rate)."""
     edges = np.asarray(arrival["bin_edges_s"], dtype=np.float64)
     cum = np.asarray(arrival["cumulative_requests"], dtype=np.float64)
     if n <= 1 or cum[-1] <= 0 or edges[-1] <= 0:
@@ -34,7 +134,7 @@ def arrivals(arrival: dict, n: int, scale: float, rng: np.random.Generator) -> n
     if gaps.sum() <= 0:
         gaps = np.ones(n - 1)
     u = np.concatenate([[0.0], np.cumsum(gaps)])
-    u *= cum[-1] / u[-1]  # the twin spans the trace's duration, whatever the scale
+    u *= cum[-1] / u[-1]
     return np.maximum.accumulate(np.interp(u, cum, edges))
 
 
@@ -46,130 +146,98 @@ def _choice(shares: dict[str, float], rng, n: int) -> np.ndarray | None:
     return np.asarray(names, dtype=object)[rng.choice(len(names), size=n, p=p / p.sum())]
 
 
-def _schedule(params: dict, scale: float, rng: np.random.Generator):
-    """Sessions and their turns in time: session starts with the fitted rate curve (x scale) and burstiness, each
-    with a drawn number of turns, consecutive turns a drawn reuse distance apart. Turns past the fitted duration
-    are cut, as the trace's own window cut its last sessions. Returns (arrival, session, turn) in arrival order."""
-    n_sessions = max(1, int(round(params["session_arrival"]["cumulative_requests"][-1] * scale)))
-    start = arrivals(params["session_arrival"], n_sessions, scale, rng)
-    turns = np.maximum(draw(params["turns_per_session"], rng, n_sessions, True), 1).astype(np.int64)
-    session = np.repeat(np.arange(n_sessions), turns)
-    first = np.repeat(np.cumsum(turns) - turns, turns)
-    turn = np.arange(session.size) - first + 1
-    gaps = np.where(turn > 1, np.maximum(draw(params["extend"]["lag_s"], rng, session.size, False), 0.0), 0.0)
-    # cumulative gaps within each session
-    cum = np.cumsum(gaps)
-    t = start[session] + cum - np.repeat(cum[np.cumsum(turns) - turns], turns)
-    keep = t <= params["arrival"]["duration_s"] + 1e-9
-    t, session, turn = t[keep], session[keep], turn[keep]
-    order = np.lexsort((turn, session, t))
-    return t[order], session[order], turn[order], turns
+class _Rows:
+    """The fitted joint rows by tenth of the trace, each tenth's by stack distance (fresh rows first), so that
+    a request draws among its tenth's rows whose distance fits in what the twin has touched so far (in the
+    trace, no request could reuse a prefix from before the trace began)."""
 
+    def __init__(self, params: dict, scale: float) -> None:
+        rows = np.asarray(params["joint"]["rows"], dtype=np.float64).reshape(-1, NCOL)
+        rows[:, 1] *= scale  # K times the users touch K times the blocks in the same time
+        rows = rows[np.lexsort((rows[:, 1], rows[:, 7]))]
+        self.rows = rows
+        self.start = np.searchsorted(rows[:, 7], np.arange(TENTHS + 1), side="left")
 
-def _branchable(prompt: np.ndarray, want: int, touched: dict[int, float], since: float) -> bool:
-    """Whether a prompt can be a branch's parent: long enough to share `want` blocks and differ after them, and
-    (for more than a root block) its first `want` blocks last touched no later than `since`."""
-    return bool(prompt.size >= want + 2 and (want <= 1 or touched[int(prompt[want - 1])] <= since))
+    def draw(self, i: int, n: int, u: float, touched: int) -> np.ndarray:
+        k = min(i * TENTHS // n, TENTHS - 1)
+        lo, hi = self.start[k], self.start[k + 1]
+        if lo == hi:  # a tenth without rows (a subsampled tiny trace): all rows
+            lo, hi = 0, self.rows.shape[0]
+        fits = int(np.searchsorted(self.rows[lo:hi, 1], touched, side="right"))
+        return self.rows[lo + int(u * max(fits, 1))]
 
 
 def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -> pa.Table:
-    """The twin as a trace table: about requests x scale requests over the fitted duration."""
+    """The twin as a trace table: round(requests x scale) requests over the fitted duration."""
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    bs = int(params["block_size"])
     rng = np.random.default_rng(seed)
-    t, session, turn, turns = _schedule(params, scale, rng)
-    n = t.size
-    starts = params["sessions_start"]
-    shared_start = rng.random(n) < starts["shared_prefix"]
-    ext, br = params["extend"], params["branch"]
-    # Draw every distribution once, vectorised; the loop below only wires parents and block lists.
-    head_u = rng.random(n)  # levels for a session's first prompt, whose table depends on its turns
-    ext_drop = draw(ext["dropped_blocks"], rng, n, True).astype(np.int64)
-    ext_new_u = rng.random(n)  # levels: the table depends on the parent's length, known only in the loop
-    br_lag_u = rng.random(n)  # levels: the lag's table depends on the shared length
-    br_shared = np.maximum(draw(br["shared_blocks"], rng, n, True), 1).astype(np.int64)
-    tail = np.clip(draw(params["last_block_tokens"], rng, n, True), 1, bs).astype(np.int64)
-    out_tokens = np.maximum(draw(params["output_tokens"], rng, n, True), 0).astype(np.int64)
-
-    namespace = name_key("trace-fit", seed, scale)
-    next_id = 0
-    blocks: list[np.ndarray] = []
-    kind = np.full(n, FRESH, dtype=np.int8)
+    n = max(1, int(round(params["requests"] * scale)))
+    t = arrivals(params["arrival"], n, rng)
+    table = _Rows(params, scale)
+    u = rng.random(n)
+    tree = _Tree(n)
+    rows = np.empty((n, NCOL))
+    shared = np.zeros(n, dtype=np.int64)
     parent = np.full(n, -1, dtype=np.int64)
-    root_p = np.asarray(br.get("root_shares", []), dtype=np.float64)
-    root_u = rng.random(n)
-    root_of = np.zeros(n, dtype=np.int64)
-    members: list[list[int]] = []  # requests of each root prefix, in arrival order
-    latest: dict[int, int] = {}  # session -> its latest turn so far
-    touched: dict[int, float] = {}  # block id -> arrival (s) of the latest request holding it
     step = max(1, n // 20)
     for i in range(n):
-        s = int(session[i])
-        if s in latest:
-            kind[i], parent[i] = EXTEND, latest[s]
-            pb = blocks[parent[i]]
-            table = for_length(ext["new_blocks"], pb.size)
-            keep, new = pb[: max(pb.size - int(ext_drop[i]), 0)], int(at(table, ext_new_u[i]))
-        elif shared_start[i] and i > 0:
-            want = int(br_shared[i])
-            lags = for_length(br["lag_s"], want)
-            lag = at(lags, br_lag_u[i], discrete=False)
-            # the root prefix (first block) by its fitted popularity among the roots created so far, then the
-            # latest request of that root that arrived at least `lag` seconds before this one (the first if none)
-            avail = min(len(members), len(root_p))
-            weights = root_p[:avail]
-            if avail and weights.sum() > 0:
-                rank = int(np.searchsorted(np.cumsum(weights), root_u[i] * weights.sum(), side="right"))
-                pool = members[min(rank, avail - 1)]
+        row = rows[i] = table.draw(i, n, u[i], tree.recency.total)
+        want, distance, new, beyond = int(row[0]), float(row[1]), int(row[2]), int(row[5])
+        depth = min(want, tree.deepest())
+        keep: list[int] = []
+        if depth > 0:
+            # A request that continues where its parent ended (a next turn: the parent has at most one block
+            # past the shared prefix) continues a prompt of about that length at about that distance; one that
+            # branches off inside a prompt takes the node of its depth at that distance.
+            holder = tree.end_at(want + beyond, distance, slack=distance + new) if beyond <= 1 else None
+            if holder is not None:
+                tree.continued[holder] = True
+                depth = max(len(tree.paths[holder]) - beyond, 1)
             else:
-                pool = list(range(i))
-            pos = max(bisect.bisect_right(pool, t[i] - lag, key=t.__getitem__) - 1, 0)
-            # A branch shares part of a longer prompt (else it would be that prompt's next turn): go back to the
-            # latest one long enough to share `want` blocks and differ after them, whose shared prefix nothing
-            # touched since. The fitted lag is to the *latest* holder of the shared prefix, and later turns of a
-            # session, or earlier branches, hold it too: taking the request `lag` seconds back regardless would
-            # reuse blocks touched moments ago (Mooncake: 3x the original's hits on long shared prefixes at 1%
-            # capacity). A one-block root is held by nearly everything, so its lag is left to popularity.
-            since = t[i] - lag
-            k = pos
-            while k > 0 and pos - k < BRANCH_SEARCH and not _branchable(blocks[pool[k]], want, touched, since):
-                k -= 1
-            kind[i], parent[i] = BRANCH, pool[k] if _branchable(blocks[pool[k]], want, touched, since) else pool[pos]
-            pb = blocks[parent[i]]
-            table = for_length(br["new_blocks"], turns[s])
-            keep, new = pb[: min(want, pb.size)], int(at(table, head_u[i]))
+                holder = tree.node_at(depth, distance)
+            new = max(want + new - depth, 0)  # the prompt keeps its fitted length
+            parent[i] = holder
+            keep = tree.paths[holder][:depth]
         else:
-            table = for_length(params["fresh"]["blocks"], turns[s])
-            keep, new = np.empty(0, np.uint64), max(int(at(table, head_u[i])), 1)
-        if keep.size + new == 0:
+            new += want
+        if not keep and new == 0:
             new = 1  # a prompt has at least one token
-        latest[s] = i
-        if parent[i] < 0:
-            root_of[i] = len(members)  # a fresh prompt starts a new root prefix
-            members.append([])
-        else:
-            root_of[i] = root_of[parent[i]]
-        members[root_of[i]].append(i)
-        fresh = content_ids(namespace, np.arange(next_id, next_id + new)) if new else np.empty(0, np.uint64)
-        next_id += new
-        blocks.append(np.concatenate([keep, fresh]).astype(np.uint64))
-        touched.update(dict.fromkeys(blocks[-1].tolist(), float(t[i])))
+        tree.add(keep, new)
+        shared[i] = len(keep)
         if progress is not None and (i + 1) % step == 0:
             progress(i + 1, n)
+    return _table(params, seed, scale, t, rows, tree.paths, shared, parent, rng)
 
-    n_blocks = np.asarray([b.size for b in blocks], dtype=np.int64)
+
+def _sessions(shared: np.ndarray, n_blocks: np.ndarray, parent: np.ndarray):
+    """Kinds and sessions by the rule the fit reads a trace with (model.structure, model.sessions_of)."""
+    from kvbench.trace.fit.model import sessions_of
+
+    reuse = parent >= 0
+    p = np.maximum(parent, 0)
+    extend = reuse & (shared >= n_blocks[p] - 1) & (shared > shared[p])
+    kind = np.where(extend, EXTEND, np.where(reuse, BRANCH, FRESH)).astype(np.int8)
+    return sessions_of(kind, parent)
+
+
+def _table(params, seed, scale, t, rows, paths, shared, parent, rng) -> pa.Table:
+    n, bs = t.size, int(params["block_size"])
+    n_blocks = np.asarray([len(p) for p in paths], dtype=np.int64)
+    tail = np.clip(rows[:, 3], 1, bs).astype(np.int64)
     input_tokens = (n_blocks - 1) * bs + tail
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(n_blocks, out=offsets[1:])
-    flat = np.concatenate(blocks) if blocks else np.empty(0, np.uint64)
+    flat = np.fromiter((b for p in paths for b in p), dtype=np.int64, count=int(offsets[-1]))
+    flat = content_ids(name_key("trace-fit", seed, scale), flat) if flat.size else np.empty(0, np.uint64)
+    session, turn = _sessions(shared, n_blocks, parent)
     width = len(str(n))
     ids = np.asarray([f"twin-{i:0{width}d}" for i in range(n)], dtype=object)
     columns = {
         "request_id": pa.array(ids, pa.string()),
         "arrival_s": pa.array(t, pa.float64()),
         "input_tokens": pa.array(input_tokens, pa.int32()),
-        "output_tokens": pa.array(out_tokens, pa.int32()),
+        "output_tokens": pa.array(np.maximum(rows[:, 4], 0).astype(np.int64), pa.int32()),
         "block_hashes": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.uint64())),
         "session_id": pa.array([f"s{s}" for s in session.tolist()], pa.string()),
         "turn": pa.array(turn, pa.int32()),
