@@ -1,18 +1,23 @@
-"""Fidelity of `kvbench trace fit`: how close a synthetic twin's cache behaviour is to the trace it was fitted to.
+"""Cross-trace fidelity of `kvbench trace fit`: how close a synthetic twin's cache behaviour is to its trace, on
+every trace available to the project, with a held-out rule.
 
-Target (issue 17, point 4): the twin's infinite-cache hit rate within 0.02 and its radix-lru hit-rate-vs-capacity
-curve (8 capacities, 1%-100% of the trace's distinct blocks) within 0.03 absolute at every capacity. Token hit
-rates after the warm-up half (steady state); "all requests" figures are recorded too. Measured on several
-seeds, since one twin is one draw: the worst seed is what a user may get. For Mooncake also a `--scale 2` twin,
-compared with the trace at twice each capacity (the same cache per user).
+Targets on every trace: the twin's infinite-cache token hit rate within 0.02 of the trace's, and its radix-lru
+hit rate within 0.03 at each of 8 capacities from 1% to 100% of the trace's distinct blocks (token hit rates
+after the warm-up half). A `--scale 2` twin is compared at twice each capacity (the same cache per user).
 
-Traces: the Mooncake FAST'25 conversation trace (../shared/traces/mooncake, Apache-2.0 licence beside it), the
-Bailian sample the importer tests use (tests/fixtures/bailian_sample.jsonl: 10 requests, so its figures say
-little), and the chat and multi-tenant samples (traces/samples). Each step is a kvbench command, as a user types
-it: `kvbench trace import …`, then `kvbench trace fit TRACE -o twin.parquet --seed S`, whose parameters JSON
-holds the fidelity it measured. Writes benchmarks/results/trace_fit.json.
+Traces: the Mooncake FAST'25 conversation trace and the kv-cache-tester agentic traces (../shared/traces, their
+licences beside them), and kvbench's five generated kinds and `mix`, each generated at 3 seeds drawn at random
+per run (printed, and written to the results). Each twin is made with a seed drawn the same way.
 
-    python benchmarks/trace_fit.py [--seeds 0,1,2] [--keep DIR]
+Held-out rule: nothing in the fit (kvbench/trace/fit) was chosen by looking at these traces' figures; its
+estimators are stated in docs/semantics.md (Fitting a synthetic twin) and the only constants are sizes and
+search bounds (rows kept, records looked through, length bands) that say nothing of any trace. Other public
+traces than these check the fit and are kept out of the project.
+
+Each step is a kvbench command as a user types it (`kvbench trace import`, `kvbench trace gen`, `kvbench trace
+fit`, whose parameters JSON holds the self-check). Writes benchmarks/results/trace_fit.json.
+
+    python benchmarks/trace_fit.py [--seeds S1,S2,S3] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -26,98 +31,112 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "trace_fit.json"
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
-BAILIAN = REPO / "tests" / "fixtures" / "bailian_sample.jsonl"
+SHARED = REPO.parent / "shared" / "traces"
+PUBLIC = {  # name -> (importer, source)
+    "mooncake-conversation": ("mooncake", SHARED / "mooncake" / "conversation_trace.jsonl"),
+    "kv-cache-tester": ("kv-cache-tester", SHARED / "kv-cache-tester"),
+}
+KINDS = {"chat": 2000, "agent": 1000, "multimodal": 2000, "reasoning": 500, "multi-tenant": 2000, "mix": 2000}
 INFINITE_TARGET, CURVE_TARGET = 0.02, 0.03
 
 
 def kvbench(*args: str) -> None:
     print("$ kvbench " + " ".join(args), file=sys.stderr, flush=True)
-    # the installed entry point, as a user runs it; stderr (progress) is left out of the benchmark's output
     cmd = [shutil.which("kvbench") or "kvbench", *args]
     subprocess.run(cmd, check=True, cwd=REPO, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
-def traces(work: Path) -> dict[str, Path]:
+def traces(work: Path, seeds: list[int]) -> dict[str, Path]:
     out = {}
-    if MOONCAKE.exists():
-        out["mooncake-conversation"] = work / "mooncake.parquet"
-        kvbench("trace", "import", "mooncake", str(MOONCAKE), "-o", str(out["mooncake-conversation"]))
-    else:
-        print(f"skipping Mooncake: {MOONCAKE} not found", file=sys.stderr)
-    out["bailian-sample"] = work / "bailian.parquet"
-    kvbench("trace", "import", "bailian", str(BAILIAN), "-o", str(out["bailian-sample"]))
-    out["chat-sample"] = REPO / "traces" / "samples" / "chat.parquet"
-    out["multi-tenant-sample"] = REPO / "traces" / "samples" / "multi-tenant.parquet"
+    for name, (importer, src) in PUBLIC.items():
+        if not src.exists():
+            print(f"skipping {name}: {src} not found", file=sys.stderr)
+            continue
+        out[name] = work / f"{name}.parquet"
+        kvbench("trace", "import", importer, str(src), "-o", str(out[name]))
+    for kind, n in KINDS.items():
+        for s in seeds:
+            out[f"{kind}-s{s}"] = work / f"{kind}-s{s}.parquet"
+            kvbench("trace", "gen", kind, "-n", str(n), "--seed", str(s), "-o", str(out[f"{kind}-s{s}"]))
     return out
 
 
-def measure(name: str, path: Path, work: Path, seed: int, scale: float = 1.0) -> dict:
+def measure(name: str, path: Path, work: Path, seed: int, scale: float) -> dict:
     twin = work / f"{name}-twin-{seed}-x{scale:g}.parquet"
     started = time.monotonic()
     kvbench("trace", "fit", str(path), "-o", str(twin), "--seed", str(seed), "--scale", f"{scale:g}")
-    params = json.loads(twin.with_suffix(".params.json").read_text())
-    fid = params["fidelity"]
+    fid = json.loads(twin.with_suffix(".params.json").read_text())["fidelity"]
+    off = [g for g, v in fid["statistics"].items() if v["worst_ratio"] > 1]
     return {
-        "seed": seed,
+        "trace": name,
+        "twin_seed": seed,
         "scale": scale,
         "seconds": round(time.monotonic() - started, 1),
-        "requests": {"original": params["requests"], "twin": _rows(twin)},
         "infinite_cache": fid["infinite_cache"],
-        "infinite_cache_gap_steady": fid["infinite_cache"]["gap_steady"],
-        "infinite_cache_gap_all": fid["infinite_cache_gap_all"],
-        "max_curve_gap_steady": fid["max_curve_gap_steady"],
-        "max_curve_gap_all": fid["max_curve_gap_all"],
+        "infinite_cache_gap": fid["infinite_cache"]["gap_steady"],
+        "max_curve_gap": fid["max_curve_gap_steady"],
         "curve": fid["curve"],
-        "kinds": params["kinds"],
-        "mean_turns_inferred": params["sessions"]["inferred"]["mean_turns"],
+        "faithful": fid["faithful"],
+        "statistics_off": off,
     }
-
-
-def _rows(path: Path) -> int:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).metadata.num_rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", default="0,1,2", help="twin seeds, comma-separated")
-    ap.add_argument("--keep", type=Path, help="keep the imported traces, twins and reports in DIR")
+    ap.add_argument("--seeds", help="3 seeds for the generated kinds and the twins [default: drawn at random]")
+    ap.add_argument("--keep", type=Path, help="keep the traces, twins and reports in DIR")
     args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.seeds:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    else:
+        seeds = [int(s) for s in np.random.SeedSequence().generate_state(3) % 100_000]
+    print(f"seeds {','.join(map(str, seeds))}", file=sys.stderr)
     work = args.keep or Path(tempfile.mkdtemp(prefix="kvbench-trace-fit-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = {}
+    runs = []
     try:
-        for name, path in traces(work).items():
-            runs = [measure(name, path, work, s) for s in seeds]
-            worst_inf = max(r["infinite_cache_gap_steady"] for r in runs)
-            worst_curve = max(r["max_curve_gap_steady"] for r in runs)
-            results[name] = {
-                "worst_infinite_cache_gap_steady": worst_inf,
-                "worst_max_curve_gap_steady": worst_curve,
-                "meets_target": worst_inf <= INFINITE_TARGET and worst_curve <= CURVE_TARGET,
-                "runs": runs,
-            }
-            print(f"{name}: infinite-cache gap ≤ {worst_inf:.4f}, curve gap ≤ {worst_curve:.4f}", file=sys.stderr)
-            if name == "mooncake-conversation":
-                # a twin with twice the users, compared at twice each capacity (the same cache per user)
-                results[name]["scale_2"] = measure(name, path, work, seeds[0], scale=2.0)
+        for i, (name, path) in enumerate(traces(work, seeds).items()):
+            for scale in (1.0, 2.0):
+                r = measure(name, path, work, seeds[i % len(seeds)], scale)
+                runs.append(r)
+                print(
+                    f"{name:26s} x{scale:g}  infinite-cache gap {r['infinite_cache_gap']:.4f}  "
+                    f"curve gap {r['max_curve_gap']:.4f}  off: {', '.join(r['statistics_off']) or '-'}",
+                    flush=True,
+                )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    by_trace: dict[str, dict] = {}
+    for r in runs:
+        group = r["trace"].rsplit("-s", 1)[0] if r["trace"] not in PUBLIC else r["trace"]
+        g = by_trace.setdefault(group, {"worst_infinite_cache_gap": 0.0, "worst_max_curve_gap": 0.0})
+        g["worst_infinite_cache_gap"] = max(g["worst_infinite_cache_gap"], r["infinite_cache_gap"])
+        g["worst_max_curve_gap"] = max(g["worst_max_curve_gap"], r["max_curve_gap"])
+    for g in by_trace.values():
+        g["meets_target"] = g["worst_infinite_cache_gap"] <= INFINITE_TARGET and g["worst_max_curve_gap"] <= CURVE_TARGET
+    print("\ntrace                     worst infinite-cache gap   worst curve gap   meets targets")
+    for name, g in by_trace.items():
+        print(f"{name:26s}{g['worst_infinite_cache_gap']:>24.4f}{g['worst_max_curve_gap']:>18.4f}   {g['meets_target']}")
     RESULTS.write_text(
         json.dumps(
             {
                 "benchmark": "trace_fit",
-                "command": "python benchmarks/trace_fit.py --seeds " + args.seeds,
+                "command": "python benchmarks/trace_fit.py --seeds " + ",".join(map(str, seeds)),
+                "seeds": seeds,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "target": {"infinite_cache_gap": INFINITE_TARGET, "max_curve_gap": CURVE_TARGET},
-                "hit_rate": "token hit rate after the warm-up half (steady); *_all: over all requests",
-                "traces": results,
+                "hit_rate": "token hit rate after the warm-up half; scale-2 twins at twice each capacity",
+                "worst": {
+                    "infinite_cache_gap": max(r["infinite_cache_gap"] for r in runs),
+                    "max_curve_gap": max(r["max_curve_gap"] for r in runs),
+                },
+                "traces": by_trace,
+                "runs": runs,
             },
             indent=1,
         )
