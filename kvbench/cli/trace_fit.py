@@ -56,6 +56,7 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     distance); prompt and output length distributions; tenant and workload shares. Sessions are taken from the
     trace where it names them and inferred from extends where it does not.
     """
+    from kvbench.cache.prepared import fold_isolation
     from kvbench.report import twin as report
     from kvbench.trace.files import new_meta, write_trace
     from kvbench.trace.fit import check as self_check
@@ -66,6 +67,9 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     src = Path(trace_path)
     table, meta = read_valid_trace(src)
     table = table.sort_by([("arrival_s", "ascending")])
+    # The structure fitted is the one the cache sees: salts and LoRA adapters folded into the block ids, as a
+    # replay folds them (two salted tenants never share a block). The twin carries no salt and needs none.
+    table = table.set_column(table.column_names.index("block_hashes"), "block_hashes", fold_isolation(table))
     _say(f"fitting {src} ({table.num_rows:,} requests, block size {meta.block_size})…")
     params, st_orig = model.fit(table, meta.block_size)
     params["source"] = {"trace": str(src), "scale": scale, "seed": seed}

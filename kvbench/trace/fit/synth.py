@@ -47,6 +47,7 @@ class _Tree:
         self.by_depth: list[tuple[list[int], list[int]]] = [([], [])]  # depth -> (requests, nodes) per touch
         self.last: list[int] = []  # node -> index of its latest touch in its depth's lists
         self.holder: list[int] = []  # node -> the latest request holding it
+        self.held: list[int] = []  # node -> how many requests held it
         self.ends: dict[int, list[int]] = {}  # length band -> requests whose prompt has a length in it
         self.paths: list[list[int]] = []  # request -> its path
         self.continued: list[bool] = []  # request -> a later request already continued where it ended
@@ -56,6 +57,7 @@ class _Tree:
         request = len(self.paths)
         first = len(self.holder)
         self.holder.extend([-1] * new)
+        self.held.extend([0] * new)
         self.last.extend([-1] * new)
         path = keep + list(range(first, first + new))
         moved: dict[int, int] = {}
@@ -68,6 +70,7 @@ class _Tree:
             requests, nodes = self.by_depth[d]
             self.last[node] = len(requests)
             self.holder[node] = request
+            self.held[node] += 1
             requests.append(request)
             nodes.append(node)
         for h, c in moved.items():
@@ -94,11 +97,36 @@ class _Tree:
         short_after = want - self.recency.after(requests[after])
         return after if short_after < far_before else before
 
-    def node_at(self, depth: int, distance: float) -> int:
-        """The latest holder of the node at `depth` whose stack distance is nearest `distance` (the most
-        recently touched node of that depth when no record near it is current)."""
+    def _within(self, requests: list[int], distance: float, slack: float, valid) -> list[int]:
+        """Indices in `requests` of valid records whose stack distance is within `slack` of `distance`,
+        looking through at most LOOK records each way from the one at that distance."""
+        pos = bisect.bisect_right(requests, self.recency.request_at(distance)) - 1
+        out = []
+        for ks in (range(pos, max(pos - LOOK, -1), -1), range(pos + 1, min(pos + 1 + LOOK, len(requests)))):
+            for k in ks:
+                gap = abs(self.recency.after(requests[k]) - distance)
+                if gap > slack:
+                    break
+                if valid(k):
+                    out.append(k)
+        return out
+
+    def node_at(self, depth: int, distance: float, holders: int, slack: float) -> int:
+        """The latest holder of a node at `depth`: among the current ones within `slack` of `distance`, the one
+        whose number of earlier holders is nearest `holders` on a log scale (a popular system prompt where the
+        trace's request took one, a conversation's own block where it took that); else the one nearest in
+        distance, and the most recently touched node of that depth when no record near it is current."""
         requests, nodes = self.by_depth[depth]
-        k = self._nearest(requests, self.recency.request_at(distance), lambda k: self.last[nodes[k]] == k)
+
+        def valid(k):
+            return self.last[nodes[k]] == k
+
+        near = self._within(requests, distance, slack, valid)
+        if near:
+            want = np.log2(holders + 1)
+            k = min(near, key=lambda k: abs(np.log2(self.held[nodes[k]] + 1) - want))
+        else:
+            k = self._nearest(requests, self.recency.request_at(distance), valid)
         return self.holder[nodes[-1 if k is None else k]]
 
     def end_at(self, length: int, distance: float, slack: float) -> int | None:
@@ -195,7 +223,7 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
                 tree.continued[holder] = True
                 depth = max(len(tree.paths[holder]) - beyond, 1)
             else:
-                holder = tree.node_at(depth, distance)
+                holder = tree.node_at(depth, distance, int(row[8]), slack=distance + new)
             new = max(want + new - depth, 0)  # the prompt keeps its fitted length
             parent[i] = holder
             keep = tree.paths[holder][:depth]
