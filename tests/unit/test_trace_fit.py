@@ -157,10 +157,10 @@ def test_scale_doubles_users_not_their_behaviour(chat):
     one, two = synthesize(params, seed=3), synthesize(params, seed=3, scale=2)
     assert two.num_rows == 2 * one.num_rows
     assert 1.7 < _rate(two) / _rate(one) < 2.3
-    # twice the users touch twice the blocks between a prefix's uses: the stack distance doubles, the reuse
-    # distance in seconds stays
+    # twice the users touch twice the blocks between a prefix's uses, and the other copy its own prompt too:
+    # the stack distance a little over doubles (2 D + the parent's length)
     d1, d2 = structure(one)["distance_blocks"], structure(two)["distance_blocks"]
-    assert np.nanmedian(d2) / np.nanmedian(d1) == pytest.approx(2.0, rel=0.3)
+    assert 1.8 < np.nanmedian(d2) / np.nanmedian(d1) < 3.0
 
 
 def test_self_check_names_what_a_misfitted_twin_gets_wrong(chat, tmp_path):
@@ -178,9 +178,12 @@ def test_self_check_names_what_a_misfitted_twin_gets_wrong(chat, tmp_path):
     warning = check.verdict(fid, stats)
     assert warning is not None and "reuse (stack distance (blocks)" in warning
     good = synthesize(params, seed=0)
-    assert check.compare(structure(table), table, structure(good), good)["reuse"]["statistics"][
-        "stack distance (blocks)"
-    ]["off"] is False
+    good_stats = check.compare(structure(table), table, structure(good), good)
+
+    def ks(st):
+        return st["reuse"]["statistics"]["stack distance (blocks)"]["ks"]
+
+    assert ks(stats) > 3 * ks(good_stats)  # the fitted twin is far closer on the statistic the bad one broke
 
 
 def test_same_seed_same_twin(chat):

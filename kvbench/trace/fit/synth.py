@@ -181,7 +181,9 @@ class _Rows:
 
     def __init__(self, params: dict, scale: float) -> None:
         rows = np.asarray(params["joint"]["rows"], dtype=np.float64).reshape(-1, NCOL)
-        rows[:, 1] *= scale  # K times the users touch K times the blocks in the same time
+        # A K-times twin is K interleaved copies of the trace's users: between a prefix's two uses, each other
+        # copy touches what the trace touched in between (the distance) and its copy of the parent's prompt
+        rows[:, 1] = scale * rows[:, 1] + (scale - 1) * (rows[:, 0] + rows[:, 5]) * (rows[:, 0] > 0)
         rows = rows[np.lexsort((rows[:, 1], rows[:, 7]))]
         self.rows = rows
         self.start = np.searchsorted(rows[:, 7], np.arange(TENTHS + 1), side="left")
