@@ -1,19 +1,13 @@
-"""What `kvbench trace fit` measures in a trace: its prefix-reuse structure and the distributions of a twin.
+"""What `kvbench trace fit` measures in a trace: the statistics that decide its prefix-cache hit rates.
 
-A trace without text has only block ids and timings, so the model is stated in those terms. Every request is one
-of three kinds, read off its prefix-chained block ids (docs/semantics.md, Fitting a synthetic twin):
-
-* fresh: no leading block was seen before (a new conversation with a new system prompt, or none);
-* extend: it repeats all blocks of an earlier request but at most the last one (which was partial and now holds
-  more tokens), more than that request shared with its own parent, and appends new blocks: the next turn of a
-  conversation, whether or not the trace names sessions;
-* branch: it shares a shorter leading run with an earlier request (a shared system prompt, document or few-shot
-  header) and continues with its own blocks.
-
-The *parent* of a reusing request is the most recent earlier request holding its last shared block (equal
-chained id means equal prefix), and its *lag* the time between their arrivals: the reuse distance, in seconds.
-Because the lag is a time and not a count of requests, a K-times larger twin (K times the users, K times the
-arrival rate) keeps each user's behaviour: a conversation's next turn still comes `lag` seconds later.
+A trace without text has only block ids and timings, so the model is stated in those terms (docs/semantics.md,
+Fitting a synthetic twin). For each request, in arrival order: how many leading blocks an earlier request
+already had (the depth at which it attaches to the prefix tree), the *parent* (the latest earlier request
+holding its last shared block; equal chained id means equal prefix), how many requests held that block before
+(its popularity), how many blocks the parent has past it, how many distinct blocks were touched between the
+parent and the request (the LRU stack distance of the shared prefix) and how many seconds (the reuse
+distance). Requests are also read as fresh, extend (a conversation's next turn) or branch, for the report and
+for the sessions the block ids show.
 """
 
 from __future__ import annotations
