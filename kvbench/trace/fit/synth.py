@@ -123,17 +123,26 @@ class _Tree:
 
         near = self._within(requests, distance, slack, valid)
         if near:
-            want = np.log2(holders + 1)
-            k = min(near, key=lambda k: abs(np.log2(self.held[nodes[k]] + 1) - want))
+            # off by octaves of popularity plus octaves of distance: neither is traded for the other
+            want_held, want_distance = np.log2(holders + 1), np.log2(distance + 1)
+
+            def octaves(k):
+                held = np.log2(self.held[nodes[k]] + 1)
+                return abs(held - want_held) + abs(np.log2(self.recency.after(requests[k]) + 1) - want_distance)
+
+            k = min(near, key=octaves)
         else:
             k = self._nearest(requests, self.recency.request_at(distance), valid)
         return self.holder[nodes[-1 if k is None else k]]
 
     def end_at(self, length: int, distance: float, slack: float) -> int | None:
         """A request not yet continued, still the latest holder of its last block, with a length within BANDS
-        bands of `length`, whose stack distance is nearest `distance` and within `slack` of it; else None."""
-        best, best_gap = None, slack
-        target = self.recency.request_at(distance)
+        bands of `length` and a stack distance within `slack` of `distance`: the one off by the fewest octaves
+        of length plus octaves of distance (the nearest candidates in distance are more often shorter, since
+        shorter prompts are more common: choosing by distance alone would shorten what is shared); None if
+        there is none."""
+        best, best_key = None, None
+        want_length, want_distance = np.log2(length), np.log2(distance + 1)
         centre = length_band(length)
         for band in range(centre - BANDS, centre + BANDS + 1):
             requests = self.ends.get(band)
@@ -144,9 +153,13 @@ class _Tree:
                 r = requests[k]
                 return not self.continued[r] and self.holder[self.paths[r][-1]] == r
 
-            k = self._nearest(requests, target, valid)
-            if k is not None and abs(self.recency.after(requests[k]) - distance) <= best_gap:
-                best, best_gap = requests[k], abs(self.recency.after(requests[k]) - distance)
+            for k in self._within(requests, distance, slack, valid):
+                r = requests[k]
+                key = abs(np.log2(len(self.paths[r])) - want_length) + abs(
+                    np.log2(self.recency.after(r) + 1) - want_distance
+                )
+                if best_key is None or key < best_key:
+                    best, best_key = r, key
         return best
 
 
