@@ -156,6 +156,22 @@ def write(out_dir: Path, title: str, params: dict, orig, twin, st_orig, st_twin,
                 ],
             )
         )
+    if fid is not None and "statistics" in fid:
+        stat_rows = [
+            [group, name, num(v["ks"]), num(v["critical"]), "off" if v["off"] else "ok"]
+            for group, g in fid["statistics"].items()
+            for name, v in g["statistics"].items()
+        ]
+        sections.append(
+            Section(
+                "Self-check",
+                [
+                    "Each fitted statistic, trace against twin: two-sample Kolmogorov-Smirnov distance and its "
+                    "critical value at the 1% level for these sample sizes (above it: more than sampling noise).",
+                    Table(["group", "statistic", "KS distance", "1% critical value", ""], stat_rows),
+                ],
+            )
+        )
     sections.append(Section("Overlays", figures(orig, twin, st_orig, st_twin, fid)))
     twin_arrival = arrival_model(st_twin["arrival_s"])
     twin_sessions = session_stats(sessions_of(st_twin["kind"], st_twin["parent"])[0], st_twin["arrival_s"])
@@ -166,6 +182,8 @@ def write(out_dir: Path, title: str, params: dict, orig, twin, st_orig, st_twin,
         ["gap CV after the rate curve", num(params["arrival"]["gap_cv"]), num(twin_arrival["gap_cv"])],
         ["mean turns per session (from block ids)", num(params["sessions"]["inferred"]["mean_turns"]),
          num(twin_sessions["mean_turns"])],
+        ["median stack distance of a reuse (blocks)", num(float(np.nanmedian(st_orig["distance_blocks"]))),
+         num(float(np.nanmedian(st_twin["distance_blocks"])))],
         ["root prefixes (distinct first blocks)", num(_roots(st_orig)[0]), num(_roots(st_twin)[0])],
         ["requests under the most used root", pct(_roots(st_orig)[1]), pct(_roots(st_twin)[1])],
     ]  # fmt: skip

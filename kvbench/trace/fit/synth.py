@@ -1,14 +1,13 @@
 """A synthetic twin from fitted parameters (`model.fit`): arrivals, then each request attached to the prefix tree.
 
 The twin is grown request by request in arrival order (docs/semantics.md, Fitting a synthetic twin). A request
-draws one row of the fitted joint table of (shared blocks, reuse distance, new blocks, last-block tokens, output
-tokens), or a fresh row, by the fitted fresh share of its tenth of the trace. A reusing request then attaches at
-the tree node of the drawn depth whose *last touch* is nearest the drawn reuse distance before it: the same
-quantity the fit measured in the trace (seconds since the latest request holding that prefix). It keeps that
-node's path and appends new blocks, with ids no other block has, so equal id still means equal prefix.
-
-Popular prefixes, conversation chains and fan-out are not drawn separately: they arise, as in the trace, from
-requests attaching where the trace's requests attached, at the depths and distances they did.
+draws a row of the fitted joint table from its own tenth of the trace: how many blocks it shares, the LRU stack
+distance and popularity of the shared prefix, how many blocks the prefix's latest holder had past it, the blocks
+it adds and its lengths. A reusing request then attaches to the twin's tree where the row says: it continues a
+prompt of about the row's length at about its distance, or branches off a node of the row's depth at about its
+distance and popularity. It keeps that path and appends new blocks, with ids no other block has, so equal id
+still means equal prefix. Popular prefixes, conversation chains and fan-out are not drawn separately: they arise,
+as in the trace, from requests attaching where the trace's requests attached.
 """
 
 from __future__ import annotations
@@ -19,13 +18,17 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.trace.blockhash import content_ids, name_key
-from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, JOINT_COLUMNS, TENTHS, Recency, draw
+from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, JOINT_COLUMNS, TENTHS, Recency, draw, sessions_of
 
 NCOL = len(JOINT_COLUMNS)
-
+SHARED, DISTANCE, NEW, TAIL, OUTPUT, BEYOND, TENTH, HOLDERS = (
+    JOINT_COLUMNS.index(c)
+    for c in (
+        "shared_blocks", "distance_blocks", "new_blocks", "last_block_tokens", "output_tokens", "holder_beyond",
+        "tenth", "holders",
+    )
+)  # fmt: skip
 LOOK = 64  # stale records skipped, each way, when looking for a node or a prompt's end near a request
-
-
 BANDS = 2  # length bands either side a next turn may continue a prompt of (2 bands: within about 19%)
 
 
@@ -196,17 +199,18 @@ class _Rows:
         rows = np.asarray(params["joint"]["rows"], dtype=np.float64).reshape(-1, NCOL)
         # A K-times twin is K interleaved copies of the trace's users: between a prefix's two uses, each other
         # copy touches what the trace touched in between (the distance) and its copy of the parent's prompt
-        rows[:, 1] = scale * rows[:, 1] + (scale - 1) * (rows[:, 0] + rows[:, 5]) * (rows[:, 0] > 0)
-        rows = rows[np.lexsort((rows[:, 1], rows[:, 7]))]
+        parent_len = (rows[:, SHARED] + rows[:, BEYOND]) * (rows[:, SHARED] > 0)
+        rows[:, DISTANCE] = scale * rows[:, DISTANCE] + (scale - 1) * parent_len
+        rows = rows[np.lexsort((rows[:, DISTANCE], rows[:, TENTH]))]
         self.rows = rows
-        self.start = np.searchsorted(rows[:, 7], np.arange(TENTHS + 1), side="left")
+        self.start = np.searchsorted(rows[:, TENTH], np.arange(TENTHS + 1), side="left")
 
     def draw(self, i: int, n: int, u: float, touched: int) -> np.ndarray:
         k = min(i * TENTHS // n, TENTHS - 1)
         lo, hi = self.start[k], self.start[k + 1]
         if lo == hi:  # a tenth without rows (a subsampled tiny trace): all rows
             lo, hi = 0, self.rows.shape[0]
-        fits = int(np.searchsorted(self.rows[lo:hi, 1], touched, side="right"))
+        fits = int(np.searchsorted(self.rows[lo:hi, DISTANCE], touched, side="right"))
         return self.rows[lo + int(u * max(fits, 1))]
 
 
@@ -226,7 +230,7 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     step = max(1, n // 20)
     for i in range(n):
         row = rows[i] = table.draw(i, n, u[i], tree.recency.total)
-        want, distance, new, beyond = int(row[0]), float(row[1]), int(row[2]), int(row[5])
+        want, distance, new, beyond = int(row[SHARED]), float(row[DISTANCE]), int(row[NEW]), int(row[BEYOND])
         depth = min(want, tree.deepest())
         keep: list[int] = []
         if depth > 0:
@@ -238,7 +242,7 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
                 tree.continued[holder] = True
                 depth = max(len(tree.paths[holder]) - beyond, 1)
             else:
-                holder = tree.node_at(depth, distance, int(row[8]), slack=distance + new)
+                holder = tree.node_at(depth, distance, int(row[HOLDERS]), slack=distance + new)
             new = max(want + new - depth, 0)  # the prompt keeps its fitted length
             parent[i] = holder
             keep = tree.paths[holder][:depth]
@@ -255,8 +259,6 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
 
 def _sessions(shared: np.ndarray, n_blocks: np.ndarray, parent: np.ndarray):
     """Kinds and sessions by the rule the fit reads a trace with (model.structure, model.sessions_of)."""
-    from kvbench.trace.fit.model import sessions_of
-
     reuse = parent >= 0
     p = np.maximum(parent, 0)
     extend = reuse & (shared >= n_blocks[p] - 1) & (shared > shared[p])
@@ -267,7 +269,7 @@ def _sessions(shared: np.ndarray, n_blocks: np.ndarray, parent: np.ndarray):
 def _table(params, seed, scale, t, rows, paths, shared, parent, rng) -> pa.Table:
     n, bs = t.size, int(params["block_size"])
     n_blocks = np.asarray([len(p) for p in paths], dtype=np.int64)
-    tail = np.clip(rows[:, 3], 1, bs).astype(np.int64)
+    tail = np.clip(rows[:, TAIL], 1, bs).astype(np.int64)
     input_tokens = (n_blocks - 1) * bs + tail
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(n_blocks, out=offsets[1:])
@@ -280,7 +282,7 @@ def _table(params, seed, scale, t, rows, paths, shared, parent, rng) -> pa.Table
         "request_id": pa.array(ids, pa.string()),
         "arrival_s": pa.array(t, pa.float64()),
         "input_tokens": pa.array(input_tokens, pa.int32()),
-        "output_tokens": pa.array(np.maximum(rows[:, 4], 0).astype(np.int64), pa.int32()),
+        "output_tokens": pa.array(np.maximum(rows[:, OUTPUT], 0).astype(np.int64), pa.int32()),
         "block_hashes": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.uint64())),
         "session_id": pa.array([f"s{s}" for s in session.tolist()], pa.string()),
         "turn": pa.array(turn, pa.int32()),
