@@ -26,7 +26,7 @@ MAX_ROWS = 40_000  # joint rows kept: a uniform subsample past that
 TENTHS = 10
 JOINT_COLUMNS = (
     "shared_blocks", "distance_blocks", "new_blocks", "last_block_tokens", "output_tokens", "holder_beyond", "lag_s",
-    "tenth", "holders",
+    "tenth", "holders", "children", "continues",
 )  # fmt: skip
 
 
@@ -106,6 +106,8 @@ def structure(table: pa.Table) -> dict:
     distance = np.full(n, np.nan)
     holders = np.zeros(n, dtype=np.int64)  # earlier requests holding the last shared block: its popularity
     held: dict[int, int] = {}
+    children = np.zeros(n, dtype=np.int64)  # distinct blocks that followed the last shared block: its fan-out
+    kids: dict[int, int] = {}
     last_holder: dict[int, int] = {}
     recency = Recency(n)
     # One pass over the ids: the holder of a block id before request i is the latest earlier request with it;
@@ -117,10 +119,15 @@ def structure(table: pa.Table) -> dict:
             parent[i] = last_holder[node]
             distance[i] = recency.after(int(parent[i]))
             holders[i] = held.get(node, 0)
+            children[i] = kids.get(node, 0)
         moved: dict[int, int] = {}
         mine = 0
+        before = None
         for b in flat[lo:hi].tolist():
             h = last_holder.get(b)
+            if h is None and before is not None:  # a block id seen for the first time: a new edge of the tree
+                kids[before] = kids.get(before, 0) + 1
+            before = b
             if h != i:
                 mine += 1
                 held[b] = held.get(b, 0) + 1
@@ -151,6 +158,7 @@ def structure(table: pa.Table) -> dict:
         "lag_s": lag,
         "distance_blocks": distance,
         "holders": holders,
+        "children": children,
         "arrival_s": arrival,
     }
 
@@ -247,7 +255,8 @@ def _joint(st: dict, inp: np.ndarray, out: np.ndarray, block_size: int, rng: np.
     beyond = np.where(shared > 0, st["parent_len"] - shared, 0)
     distance = np.nan_to_num(st["distance_blocks"], nan=0.0)
     tenth = tenths(nb.size)
-    rows = np.stack([shared, distance, nb - shared, tail, out, beyond, np.round(lag, 6), tenth, st["holders"]], axis=1)
+    popularity = [st["holders"], st["children"], st["kind"] == EXTEND]
+    rows = np.stack([shared, distance, nb - shared, tail, out, beyond, np.round(lag, 6), tenth, *popularity], axis=1)
     sel = np.arange(nb.size)
     if sel.size > MAX_ROWS:
         sel = np.sort(rng.choice(sel, MAX_ROWS, replace=False))

@@ -21,11 +21,11 @@ from kvbench.trace.blockhash import content_ids, name_key
 from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, JOINT_COLUMNS, TENTHS, Recency, draw, sessions_of
 
 NCOL = len(JOINT_COLUMNS)
-SHARED, DISTANCE, NEW, TAIL, OUTPUT, BEYOND, TENTH, HOLDERS = (
+SHARED, DISTANCE, NEW, TAIL, OUTPUT, BEYOND, TENTH, HOLDERS, CHILDREN, CONTINUES = (
     JOINT_COLUMNS.index(c)
     for c in (
         "shared_blocks", "distance_blocks", "new_blocks", "last_block_tokens", "output_tokens", "holder_beyond",
-        "tenth", "holders",
+        "tenth", "holders", "children", "continues",
     )
 )  # fmt: skip
 LOOK = 64  # stale records skipped, each way, when looking for a node or a prompt's end near a request
@@ -51,6 +51,7 @@ class _Tree:
         self.last: list[int] = []  # node -> index of its latest touch in its depth's lists
         self.holder: list[int] = []  # node -> the latest request holding it
         self.held: list[int] = []  # node -> how many requests held it
+        self.kids: list[int] = []  # node -> how many distinct nodes follow it (its fan-out)
         self.ends: dict[int, list[int]] = {}  # length band -> requests whose prompt has a length in it
         self.paths: list[list[int]] = []  # request -> its path
         self.continued: list[bool] = []  # request -> a later request already continued where it ended
@@ -61,8 +62,13 @@ class _Tree:
         first = len(self.holder)
         self.holder.extend([-1] * new)
         self.held.extend([0] * new)
+        self.kids.extend([0] * new)
+        if new and keep:
+            self.kids[keep[-1]] += 1
         self.last.extend([-1] * new)
         path = keep + list(range(first, first + new))
+        for node in path[len(keep) : -1]:
+            self.kids[node] += 1
         moved: dict[int, int] = {}
         for d, node in enumerate(path, start=1):
             h = self.holder[node]
@@ -114,11 +120,12 @@ class _Tree:
                     out.append(k)
         return out
 
-    def node_at(self, depth: int, distance: float, holders: int, slack: float) -> int:
+    def node_at(self, depth: int, distance: float, holders: int, children: int, slack: float) -> int:
         """The latest holder of a node at `depth`: among the current ones within `slack` of `distance`, the one
-        whose number of earlier holders is nearest `holders` on a log scale (a popular system prompt where the
-        trace's request took one, a conversation's own block where it took that); else the one nearest in
-        distance, and the most recently touched node of that depth when no record near it is current."""
+        off by the fewest octaves of stack distance, of holders and of fan-out together (a document's last block
+        that many questions follow, where the trace's request took one, not the middle of a longer document);
+        else the one nearest in distance, and the most recently touched node of that depth when no record near
+        it is current."""
         requests, nodes = self.by_depth[depth]
 
         def valid(k):
@@ -126,12 +133,12 @@ class _Tree:
 
         near = self._within(requests, distance, slack, valid)
         if near:
-            # off by octaves of popularity plus octaves of distance: neither is traded for the other
-            want_held, want_distance = np.log2(holders + 1), np.log2(distance + 1)
+            want = np.log2([distance + 1, holders + 1, children + 1])
 
             def octaves(k):
-                held = np.log2(self.held[nodes[k]] + 1)
-                return abs(held - want_held) + abs(np.log2(self.recency.after(requests[k]) + 1) - want_distance)
+                node = nodes[k]
+                have = np.log2([self.recency.after(requests[k]) + 1, self.held[node] + 1, self.kids[node] + 1])
+                return float(np.abs(have - want).sum())
 
             k = min(near, key=octaves)
         else:
@@ -234,15 +241,16 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         depth = min(want, tree.deepest())
         keep: list[int] = []
         if depth > 0:
-            # A request that continues where its parent ended (a next turn: the parent has at most one block
-            # past the shared prefix) continues a prompt of about that length at about that distance; one that
-            # branches off inside a prompt takes the node of its depth at that distance.
-            holder = tree.end_at(want + beyond, distance, slack=distance + new) if beyond <= 1 else None
+            # A request that continued where its parent ended (a next turn: the parent had at most one block
+            # past the shared prefix, and more of its own than it borrowed) continues a prompt of about that
+            # length at about that distance; one that branched off a prompt takes a node of its depth there.
+            continues = row[CONTINUES] > 0
+            holder = tree.end_at(want + beyond, distance, slack=distance + new) if continues else None
             if holder is not None:
                 tree.continued[holder] = True
                 depth = max(len(tree.paths[holder]) - beyond, 1)
             else:
-                holder = tree.node_at(depth, distance, int(row[HOLDERS]), slack=distance + new)
+                holder = tree.node_at(depth, distance, int(row[HOLDERS]), int(row[CHILDREN]), slack=distance + new)
             new = max(want + new - depth, 0)  # the prompt keeps its fitted length
             parent[i] = holder
             keep = tree.paths[holder][:depth]
