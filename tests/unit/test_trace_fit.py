@@ -137,6 +137,59 @@ def test_twin_of_a_known_structure_keeps_it(seed):
     assert np.median(twin.column("output_tokens").to_numpy()) == pytest.approx(200, rel=0.15)
 
 
+def _documents(seed: int, documents=12, doc_blocks=(20, 60), requests=1200, bs=16):
+    """A trace built with stated hot prefixes: `documents` documents of 20-60 full blocks, each request one of
+    them (Zipf-popular, exponent 1) and a question of its own of 1-3 blocks, in random order."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(*doc_blocks, documents)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    p = 1 / np.arange(1, documents + 1)
+    pick = rng.choice(documents, requests, p=p / p.sum())
+    next_id, rows = int(starts[-1]) + 1, []
+    for d in pick:
+        q = int(rng.integers(1, 4))
+        rows.append(list(range(starts[d] + 1, starts[d + 1] + 1)) + list(range(next_id, next_id + q)))
+        next_id += q
+    t = np.cumsum(rng.exponential(0.5, requests))
+    table = pa.table(
+        {
+            "request_id": [f"r{i}" for i in range(requests)],
+            "arrival_s": t,
+            "input_tokens": pa.array([len(r) * bs for r in rows], pa.int32()),
+            "output_tokens": pa.array(np.full(requests, 50), pa.int32()),
+            "block_hashes": pa.array(rows, pa.list_(pa.uint64())),
+        }
+    )
+    return table, lengths, np.bincount(pick, minlength=documents)
+
+
+def _uses_by_document(table: pa.Table, min_depth: int) -> list[int]:
+    """Requests per shared prefix of at least `min_depth` blocks, most used first."""
+    st = structure(table)
+    node = [r[s - 1] if s else None for r, s in zip(table.column("block_hashes").to_pylist(), st["shared"])]
+    counts: dict = {}
+    for n, s in zip(node, st["shared"]):
+        if s >= min_depth:
+            counts[n] = counts.get(n, 0) + 1
+    return sorted(counts.values(), reverse=True)
+
+
+def test_twin_keeps_hot_documents_as_shared_prefixes(seed):
+    table, lengths, uses = _documents(seed)
+    params, _ = fit(table, 16)
+    used = uses >= 2  # a document read once is no shared prefix
+    # the fit finds each document read twice or more as one shared prefix, at the document's depth
+    assert sorted(d for d, _ in params["shared_prefixes"]) == sorted(lengths[used].tolist())
+    twin = synthesize(params, seed=seed)
+    # the twin reuses as many documents, about as often each (rows are drawn with replacement: popularity
+    # within a factor of 2 at the top). A question of one block after a first read reads as a next turn (an
+    # extend) by the fit's rule, and the twin continues some prompt there: those few are reused once or twice.
+    got = _uses_by_document(twin, int(lengths.min()))
+    want = sorted((uses[used] - 1).tolist(), reverse=True)  # a document's first read shares nothing
+    assert len(got) >= len(want) and sum(got[: len(want)]) >= 0.97 * sum(got)
+    assert want[0] / 2 <= got[0] <= want[0] * 2
+
+
 def test_twin_validates_and_keeps_hit_rates(chat, tmp_path, seed):
     table, meta, params = chat
     twin = synthesize(params, seed=seed)

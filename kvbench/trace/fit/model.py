@@ -26,7 +26,7 @@ MAX_ROWS = 40_000  # joint rows kept: a uniform subsample past that
 TENTHS = 10
 JOINT_COLUMNS = (
     "shared_blocks", "distance_blocks", "new_blocks", "last_block_tokens", "output_tokens", "holder_beyond", "lag_s",
-    "tenth", "holders", "children", "continues",
+    "tenth", "holders", "children", "continues", "prefix", "makes_prefix",
 )  # fmt: skip
 
 
@@ -107,6 +107,7 @@ def structure(table: pa.Table) -> dict:
     holders = np.zeros(n, dtype=np.int64)  # earlier requests holding the last shared block: its popularity
     held: dict[int, int] = {}
     children = np.zeros(n, dtype=np.int64)  # distinct blocks that followed the last shared block: its fan-out
+    attach = np.zeros(n, dtype=np.uint64)  # the last shared block
     kids: dict[int, int] = {}
     last_holder: dict[int, int] = {}
     recency = Recency(n)
@@ -116,6 +117,7 @@ def structure(table: pa.Table) -> dict:
         lo, hi = offsets[i], offsets[i + 1]
         if shared[i] > 0:
             node = int(flat[lo + shared[i] - 1])
+            attach[i] = node
             parent[i] = last_holder[node]
             distance[i] = recency.after(int(parent[i]))
             holders[i] = held.get(node, 0)
@@ -147,6 +149,7 @@ def structure(table: pa.Table) -> dict:
     kind[extend] = EXTEND
     kind[reuse & ~extend] = BRANCH
     lag = np.where(reuse, arrival - arrival[np.maximum(parent, 0)], np.nan)
+    prefix, makes, prefixes = _shared_prefixes(kind, attach, kids, flat, offsets, shared)
     first_block = np.where(n_blocks > 0, flat[np.minimum(offsets[:-1], max(flat.size - 1, 0))], 0)
     return {
         "first_block": first_block,
@@ -159,8 +162,43 @@ def structure(table: pa.Table) -> dict:
         "distance_blocks": distance,
         "holders": holders,
         "children": children,
+        "prefix": prefix,
+        "makes_prefix": makes,
+        "prefixes": prefixes,
         "arrival_s": arrival,
     }
+
+
+def _shared_prefixes(kind, attach, kids, flat, offsets, shared) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """The trace's shared prefixes: the nodes two or more distinct blocks follow by the end of the trace (a
+    system prompt, a document, a task's context that sub-agents fork from). Returns, per request, the number of
+    the one it branches off and of the deepest one its own new blocks make (-1 for none), and per number
+    [depth, number of the deepest shared prefix above it or -1]. The twin keeps each as one prefix, under the one above it, used as
+    often as in the trace: what is popular and how popular prefixes nest, not only how often they are hit."""
+    out = np.full(kind.size, -1, dtype=np.int64)
+    numbered: dict[int, int] = {}
+    table: list[list[int]] = []
+
+    def number(path: list[int], depth: int) -> int:
+        node = path[depth - 1]
+        if node in numbered:
+            return numbered[node]
+        above = next((d for d in range(depth - 1, 0, -1) if kids.get(path[d - 1], 0) >= 2), 0)
+        parent = number(path, above) if above else -1
+        numbered[node] = len(table)
+        table.append([depth, parent])
+        return numbered[node]
+
+    makes = np.full(kind.size, -1, dtype=np.int64)
+    for i in range(kind.size):
+        path = flat[offsets[i] : offsets[i + 1]].tolist()
+        if kind[i] == BRANCH and kids.get(int(attach[i]), 0) >= 2:
+            out[i] = number(path, int(shared[i]))
+        # the deepest shared prefix among the request's own new blocks: this request made it (and those above)
+        deepest = next((d for d in range(len(path), int(shared[i]), -1) if kids.get(path[d - 1], 0) >= 2), 0)
+        if deepest:
+            makes[i] = number(path, deepest)
+    return out, makes, table
 
 
 def sessions_of(kind: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -255,7 +293,7 @@ def _joint(st: dict, inp: np.ndarray, out: np.ndarray, block_size: int, rng: np.
     beyond = np.where(shared > 0, st["parent_len"] - shared, 0)
     distance = np.nan_to_num(st["distance_blocks"], nan=0.0)
     tenth = tenths(nb.size)
-    popularity = [st["holders"], st["children"], st["kind"] == EXTEND]
+    popularity = [st["holders"], st["children"], st["kind"] == EXTEND, st["prefix"], st["makes_prefix"]]
     rows = np.stack([shared, distance, nb - shared, tail, out, beyond, np.round(lag, 6), tenth, *popularity], axis=1)
     sel = np.arange(nb.size)
     if sel.size > MAX_ROWS:
@@ -281,6 +319,7 @@ def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
         "requests": int(table.num_rows),
         "arrival": arrival_model(st["arrival_s"]),
         "joint": _joint(st, inp, out, block_size, rng),
+        "shared_prefixes": st["prefixes"],
         "kinds": {name: float(np.mean(kind == k)) for k, name in enumerate(KIND_NAMES)},
         "sessions": {
             "named": None if named is None else session_stats(named, st["arrival_s"]),

@@ -21,11 +21,11 @@ from kvbench.trace.blockhash import content_ids, name_key
 from kvbench.trace.fit.model import BRANCH, EXTEND, FRESH, JOINT_COLUMNS, TENTHS, Recency, draw, sessions_of
 
 NCOL = len(JOINT_COLUMNS)
-SHARED, DISTANCE, NEW, TAIL, OUTPUT, BEYOND, TENTH, HOLDERS, CHILDREN, CONTINUES = (
+SHARED, DISTANCE, NEW, TAIL, OUTPUT, BEYOND, TENTH, HOLDERS, CHILDREN, CONTINUES, PREFIX, MAKES = (
     JOINT_COLUMNS.index(c)
     for c in (
         "shared_blocks", "distance_blocks", "new_blocks", "last_block_tokens", "output_tokens", "holder_beyond",
-        "tenth", "holders", "children", "continues",
+        "tenth", "holders", "children", "continues", "prefix", "makes_prefix",
     )
 )  # fmt: skip
 LOOK = 64  # stale records skipped, each way, when looking for a node or a prompt's end near a request
@@ -52,6 +52,7 @@ class _Tree:
         self.holder: list[int] = []  # node -> the latest request holding it
         self.held: list[int] = []  # node -> how many requests held it
         self.kids: list[int] = []  # node -> how many distinct nodes follow it (its fan-out)
+        self.depth: list[int] = []  # node -> its depth (1 for a root block)
         self.ends: dict[int, list[int]] = {}  # length band -> requests whose prompt has a length in it
         self.paths: list[list[int]] = []  # request -> its path
         self.continued: list[bool] = []  # request -> a later request already continued where it ended
@@ -63,6 +64,7 @@ class _Tree:
         self.holder.extend([-1] * new)
         self.held.extend([0] * new)
         self.kids.extend([0] * new)
+        self.depth.extend(range(len(keep) + 1, len(keep) + new + 1))
         if new and keep:
             self.kids[keep[-1]] += 1
         self.last.extend([-1] * new)
@@ -145,18 +147,17 @@ class _Tree:
             k = self._nearest(requests, self.recency.request_at(distance), valid)
         return self.holder[nodes[-1 if k is None else k]]
 
-    def end_at(self, length: int, distance: float, slack: float) -> int | None:
-        """A request not yet continued, still the latest holder of its last block, with a length within BANDS
-        bands of `length` and a stack distance within `slack` of `distance`: the one off by the fewest octaves
+    def end_at(self, length: int, distance: float, slack: float, bands: int | None = BANDS) -> int | None:
+        """A request not yet continued, still the latest holder of its last block, with a length within `bands`
+        length bands of `length` (any length for None) and a stack distance within `slack` of `distance`: the one off by the fewest octaves
         of length plus octaves of distance (the nearest candidates in distance are more often shorter, since
         shorter prompts are more common: choosing by distance alone would shorten what is shared); None if
         there is none."""
         best, best_key = None, None
         want_length, want_distance = np.log2(length), np.log2(distance + 1)
         centre = length_band(length)
-        for band in range(centre - BANDS, centre + BANDS + 1):
-            requests = self.ends.get(band)
-            if not requests:
+        for band, requests in self.ends.items():
+            if (bands is not None and abs(band - centre) > bands) or not requests:
                 continue
 
             def valid(k, requests=requests):
@@ -221,6 +222,35 @@ class _Rows:
         return self.rows[lo + int(u * max(fits, 1))]
 
 
+class _SharedPrefixes:
+    """The trace's shared prefixes in the twin: each (prefix, copy) is one node, made by the first request that
+    branches off it, under the twin's node for the shared prefix above it (or as a new root), as deep as in
+    the trace."""
+
+    def __init__(self, table: list[list[int]], tree: _Tree) -> None:
+        self.table, self.tree = table, tree
+        self.nodes: dict[tuple[int, int], int] = {}
+
+    def find(self, prefix: int, copy: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """(holder request, depth, the prefixes this request makes): the deepest already-made one of `prefix`
+        and those above it, whose path the request keeps; the rest are made by its own new blocks."""
+        making = []
+        while prefix >= 0 and (prefix, copy) not in self.nodes:
+            making.append((prefix, copy))
+            prefix = self.table[prefix][1]
+        if prefix < 0:
+            return -1, 0, making
+        node = self.nodes[(prefix, copy)]
+        return self.tree.holder[node], self.tree.depth[node], making
+
+    def made(self, making: list[tuple[int, int]], path: list[int], kept: int) -> None:
+        """Record the prefixes in `making` at their depths of `path`, where that part of it is new."""
+        for key in making:
+            depth = self.table[key[0]][0]
+            if kept < depth <= len(path) and key not in self.nodes:
+                self.nodes[key] = path[depth - 1]
+
+
 def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -> pa.Table:
     """The twin as a trace table: round(requests x scale) requests over the fitted duration."""
     if scale <= 0:
@@ -235,30 +265,52 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     shared = np.zeros(n, dtype=np.int64)
     parent = np.full(n, -1, dtype=np.int64)
     step = max(1, n // 20)
+    hot = _SharedPrefixes(params.get("shared_prefixes", []), tree)
+    copy = np.floor(rng.random(n) * scale)  # K interleaved copies of the users, each with its own prefixes
+    making: list = []
     for i in range(n):
         row = rows[i] = table.draw(i, n, u[i], tree.recency.total)
         want, distance, new, beyond = int(row[SHARED]), float(row[DISTANCE]), int(row[NEW]), int(row[BEYOND])
         depth = min(want, tree.deepest())
         keep: list[int] = []
+        if row[PREFIX] >= 0 and depth == 0:  # the twin is empty yet: the prefix is made by this request
+            _, _, making = hot.find(int(row[PREFIX]), int(copy[i]))
         if depth > 0:
             # A request that continued where its parent ended (a next turn: the parent had at most one block
             # past the shared prefix, and more of its own than it borrowed) continues a prompt of about that
-            # length at about that distance; one that branched off a prompt takes a node of its depth there.
-            continues = row[CONTINUES] > 0
-            holder = tree.end_at(want + beyond, distance, slack=distance + new) if continues else None
+            # length at about that distance; failing that, the end at that distance of any length, growing by
+            # its own new blocks (a session grows turn by turn: in the trace the parent is most often the
+            # request just before, which in the twin is seldom of the drawn length). One that branched off one
+            # of the trace's shared prefixes takes that prefix (in its copy); any other, a node of its depth at
+            # about that distance, popularity and fan-out.
+            grown, holder = False, None
+            if row[CONTINUES] > 0:
+                holder = tree.end_at(want + beyond, distance, slack=distance + new)
+                if holder is None:
+                    holder = tree.end_at(want + beyond, distance, slack=distance + new, bands=None)
+                    grown = holder is not None
             if holder is not None:
                 tree.continued[holder] = True
                 depth = max(len(tree.paths[holder]) - beyond, 1)
-            else:
-                holder = tree.node_at(depth, distance, int(row[HOLDERS]), int(row[CHILDREN]), slack=distance + new)
-            new = max(want + new - depth, 0)  # the prompt keeps its fitted length
+            elif row[PREFIX] >= 0:
+                holder, depth, making = hot.find(int(row[PREFIX]), int(copy[i]))
+            if holder is None or (holder < 0 and not making):
+                slack = distance + new
+                holder = tree.node_at(depth, distance, int(row[HOLDERS]), int(row[CHILDREN]), slack=slack)
+            keep = tree.paths[holder][:depth] if holder >= 0 else []
+            if not grown:
+                new = max(want + new - len(keep), 0)  # the prompt keeps its fitted length
             parent[i] = holder
-            keep = tree.paths[holder][:depth]
         else:
             new += want
         if not keep and new == 0:
             new = 1  # a prompt has at least one token
-        tree.add(keep, new)
+        path = tree.add(keep, new)
+        if row[MAKES] >= 0:  # the request that made one of the trace's shared prefixes (and those above it)
+            making += hot.find(int(row[MAKES]), int(copy[i]))[2]
+        if making:
+            hot.made(making, path, len(keep))
+            making = []
         shared[i] = len(keep)
         if progress is not None and (i + 1) % step == 0:
             progress(i + 1, n)
