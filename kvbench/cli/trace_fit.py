@@ -51,9 +51,11 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     """Fit a synthetic twin to TRACE (block ids and timings only, no text) and write it to OUT.
 
     The model (docs/semantics.md, Fitting a synthetic twin): per request, the depth at which it attaches to the
-    prefix tree, how many requests held that prefix, how far back it was last used (LRU stack distance in
-    blocks, and seconds), the blocks it adds and its prompt and output lengths, kept as one joint distribution
-    by tenth of the trace; the arrival rate over time and its burstiness; tenant and workload shares. Salts and
+    prefix tree, how many requests held that prefix and how many distinct blocks follow it, how far back it was
+    last used (LRU stack distance in blocks, and seconds), whether it continues its parent (a next turn), the
+    blocks it adds and its prompt and output lengths, kept as one joint distribution by tenth of the trace; the
+    trace's shared prefixes (system prompts, documents: nodes two or more requests branch from), kept as such;
+    the arrival rate over time and its burstiness; tenant and workload shares. Salts and
     LoRA adapters are folded into the block ids first, as a replay folds them. The self-check replays TRACE and
     the twin and warns, naming the statistic that is off, when the twin misses its targets (infinite-cache gap
     0.02, curve gap 0.03).

@@ -223,32 +223,27 @@ class _Rows:
 
 
 class _SharedPrefixes:
-    """The trace's shared prefixes in the twin: each (prefix, copy) is one node, made by the first request that
-    branches off it, under the twin's node for the shared prefix above it (or as a new root), as deep as in
-    the trace."""
+    """The trace's shared prefixes in the twin: each (prefix, copy) is one node, at the prefix's depth in the
+    trace, made by a request drawing the row of the request that made it in the trace (its own new blocks
+    reach that depth), under the twin's node for the shared prefix above it when that one is made."""
 
     def __init__(self, table: list[list[int]], tree: _Tree) -> None:
         self.table, self.tree = table, tree
         self.nodes: dict[tuple[int, int], int] = {}
 
-    def find(self, prefix: int, copy: int) -> tuple[int, int, list[tuple[int, int]]]:
-        """(holder request, depth, the prefixes this request makes): the deepest already-made one of `prefix`
-        and those above it, whose path the request keeps; the rest are made by its own new blocks."""
-        making = []
-        while prefix >= 0 and (prefix, copy) not in self.nodes:
-            making.append((prefix, copy))
-            prefix = self.table[prefix][1]
-        if prefix < 0:
-            return -1, 0, making
-        node = self.nodes[(prefix, copy)]
-        return self.tree.holder[node], self.tree.depth[node], making
+    def find(self, prefix: int, copy: int) -> tuple[int, int] | None:
+        """(latest holder, depth) of the twin's node for `prefix` in `copy`; None while it is not made."""
+        node = self.nodes.get((prefix, copy))
+        return None if node is None else (self.tree.holder[node], self.tree.depth[node])
 
-    def made(self, making: list[tuple[int, int]], path: list[int], kept: int) -> None:
-        """Record the prefixes in `making` at their depths of `path`, where that part of it is new."""
-        for key in making:
-            depth = self.table[key[0]][0]
-            if kept < depth <= len(path) and key not in self.nodes:
-                self.nodes[key] = path[depth - 1]
+    def made(self, prefix: int, copy: int, path: list[int], kept: int) -> None:
+        """`path` made `prefix` (and the shared prefixes above it not made yet) where its part past the `kept`
+        blocks it shares reaches their depths."""
+        while prefix >= 0 and (prefix, copy) not in self.nodes:
+            depth = self.table[prefix][0]
+            if kept < depth <= len(path):
+                self.nodes[(prefix, copy)] = path[depth - 1]
+            prefix = self.table[prefix][1]
 
 
 def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -> pa.Table:
@@ -267,22 +262,19 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     step = max(1, n // 20)
     hot = _SharedPrefixes(params.get("shared_prefixes", []), tree)
     copy = np.floor(rng.random(n) * scale)  # K interleaved copies of the users, each with its own prefixes
-    making: list = []
     for i in range(n):
         row = rows[i] = table.draw(i, n, u[i], tree.recency.total)
         want, distance, new, beyond = int(row[SHARED]), float(row[DISTANCE]), int(row[NEW]), int(row[BEYOND])
         depth = min(want, tree.deepest())
         keep: list[int] = []
-        if row[PREFIX] >= 0 and depth == 0:  # the twin is empty yet: the prefix is made by this request
-            _, _, making = hot.find(int(row[PREFIX]), int(copy[i]))
         if depth > 0:
             # A request that continued where its parent ended (a next turn: the parent had at most one block
             # past the shared prefix, and more of its own than it borrowed) continues a prompt of about that
             # length at about that distance; failing that, the end at that distance of any length, growing by
             # its own new blocks (a session grows turn by turn: in the trace the parent is most often the
             # request just before, which in the twin is seldom of the drawn length). One that branched off one
-            # of the trace's shared prefixes takes that prefix (in its copy); any other, a node of its depth at
-            # about that distance, popularity and fan-out.
+            # of the trace's shared prefixes takes that prefix (in its copy) once it is made; any other, a node
+            # of its depth at about that distance, popularity and fan-out.
             grown, holder = False, None
             if row[CONTINUES] > 0:
                 holder = tree.end_at(want + beyond, distance, slack=distance + new)
@@ -292,12 +284,12 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
             if holder is not None:
                 tree.continued[holder] = True
                 depth = max(len(tree.paths[holder]) - beyond, 1)
-            elif row[PREFIX] >= 0:
-                holder, depth, making = hot.find(int(row[PREFIX]), int(copy[i]))
-            if holder is None or (holder < 0 and not making):
+            elif row[PREFIX] >= 0 and (found := hot.find(int(row[PREFIX]), int(copy[i]))) is not None:
+                holder, depth = found
+            else:
                 slack = distance + new
                 holder = tree.node_at(depth, distance, int(row[HOLDERS]), int(row[CHILDREN]), slack=slack)
-            keep = tree.paths[holder][:depth] if holder >= 0 else []
+            keep = tree.paths[holder][:depth]
             if not grown:
                 new = max(want + new - len(keep), 0)  # the prompt keeps its fitted length
             parent[i] = holder
@@ -306,11 +298,8 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         if not keep and new == 0:
             new = 1  # a prompt has at least one token
         path = tree.add(keep, new)
-        if row[MAKES] >= 0:  # the request that made one of the trace's shared prefixes (and those above it)
-            making += hot.find(int(row[MAKES]), int(copy[i]))[2]
-        if making:
-            hot.made(making, path, len(keep))
-            making = []
+        if row[MAKES] >= 0:
+            hot.made(int(row[MAKES]), int(copy[i]), path, len(keep))
         shared[i] = len(keep)
         if progress is not None and (i + 1) % step == 0:
             progress(i + 1, n)
