@@ -118,7 +118,8 @@ def test_fit_recovers_a_structure_known_by_construction(seed):
             assert distance[k * conversations + c] == root_blocks + others
     assert int(st["n_blocks"].max()) == root_blocks + new_blocks * turns
     # lengths and arrivals
-    assert np.median(col["output_tokens"]) == pytest.approx(200, rel=0.1)
+    # the median of 200 draws of a log-normal with sigma 0.5 is off by 4.4% (one standard error) on average
+    assert np.median(col["output_tokens"]) == pytest.approx(200, rel=0.15)
     assert params["arrival"]["rate_per_s"] == pytest.approx(2.0, rel=0.2)
     assert params["arrival"]["gap_cv"] == pytest.approx(1.0, abs=0.2)
 

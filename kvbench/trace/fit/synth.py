@@ -201,7 +201,10 @@ def _choice(shares: dict[str, float], rng, n: int) -> np.ndarray | None:
 class _Rows:
     """The fitted joint rows by tenth of the trace, each tenth's by stack distance (fresh rows first), so that
     a request draws among its tenth's rows whose distance fits in what the twin has touched so far (in the
-    trace, no request could reuse a prefix from before the trace began)."""
+    trace, no request could reuse a prefix from before the trace began). Drawn without replacement, a tenth's
+    rows all once before any twice: a twin of the trace's size uses each row once, so each shared prefix is
+    made once and branched off as often as in the trace (with replacement, about a third of the rows would be
+    missing and as many drawn twice)."""
 
     def __init__(self, params: dict, scale: float) -> None:
         rows = np.asarray(params["joint"]["rows"], dtype=np.float64).reshape(-1, NCOL)
@@ -212,14 +215,49 @@ class _Rows:
         rows = rows[np.lexsort((rows[:, DISTANCE], rows[:, TENTH]))]
         self.rows = rows
         self.start = np.searchsorted(rows[:, TENTH], np.arange(TENTHS + 1), side="left")
+        self.left: dict[int, tuple[list[float], list[int]]] = {}  # tenth -> its rows not drawn yet
+        # shared prefix -> the rows of the requests that made it (and those above it past what they shared)
+        prefixes = params.get("shared_prefixes", [])
+        self.makers: dict[int, list[int]] = {}
+        for r in np.flatnonzero(rows[:, MAKES] >= 0):
+            p = int(rows[r, MAKES])
+            while p >= 0 and prefixes[p][0] > rows[r, SHARED]:
+                self.makers.setdefault(p, []).append(int(r))
+                p = prefixes[p][1]
 
-    def draw(self, i: int, n: int, u: float, touched: int) -> np.ndarray:
-        k = min(i * TENTHS // n, TENTHS - 1)
-        lo, hi = self.start[k], self.start[k + 1]
-        if lo == hi:  # a tenth without rows (a subsampled tiny trace): all rows
-            lo, hi = 0, self.rows.shape[0]
-        fits = int(np.searchsorted(self.rows[lo:hi, DISTANCE], touched, side="right"))
-        return self.rows[lo + int(u * max(fits, 1))]
+    def _left(self, k: int) -> tuple[list[float], list[int]]:
+        distances, left = self.left.get(k, ([], []))
+        if not left:
+            lo, hi = self.start[k], self.start[k + 1]
+            if lo == hi:  # a tenth without rows (a subsampled tiny trace): all rows
+                lo, hi = 0, self.rows.shape[0]
+            distances, left = self.left[k] = (self.rows[lo:hi, DISTANCE].tolist(), list(range(lo, hi)))
+        return distances, left
+
+    def draw(self, i: int, n: int, u: float, touched: int) -> int:
+        """The row (its index) request i of n draws."""
+        distances, left = self._left(min(i * TENTHS // n, TENTHS - 1))
+        j = int(u * max(bisect.bisect_right(distances, touched), 1))
+        distances.pop(j)
+        return left.pop(j)
+
+    def maker_for(self, i: int, n: int, drawn: int, prefix: int) -> int | None:
+        """In the trace a shared prefix is made before any request branches off it: a request that drew a row
+        branching off one the twin has not made yet takes instead the row of a request that made it, if its
+        tenth has one left, and puts its own back."""
+        distances, left = self._left(min(i * TENTHS // n, TENTHS - 1))
+        for m in self.makers.get(prefix, ()):
+            j = bisect.bisect_left(distances, self.rows[m, DISTANCE])
+            while j < len(left) and left[j] != m and distances[j] == self.rows[m, DISTANCE]:
+                j += 1
+            if j < len(left) and left[j] == m:
+                distances.pop(j)
+                left.pop(j)
+                back = bisect.bisect_right(distances, self.rows[drawn, DISTANCE])
+                distances.insert(back, float(self.rows[drawn, DISTANCE]))
+                left.insert(back, drawn)
+                return m
+        return None
 
 
 class _SharedPrefixes:
@@ -263,7 +301,13 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     hot = _SharedPrefixes(params.get("shared_prefixes", []), tree)
     copy = np.floor(rng.random(n) * scale)  # K interleaved copies of the users, each with its own prefixes
     for i in range(n):
-        row = rows[i] = table.draw(i, n, u[i], tree.recency.total)
+        r = table.draw(i, n, u[i], tree.recency.total)
+        while table.rows[r, PREFIX] >= 0 and hot.find(int(table.rows[r, PREFIX]), int(copy[i])) is None:
+            m = table.maker_for(i, n, r, int(table.rows[r, PREFIX]))
+            if m is None:
+                break
+            r = m
+        row = rows[i] = table.rows[r]
         want, distance, new, beyond = int(row[SHARED]), float(row[DISTANCE]), int(row[NEW]), int(row[BEYOND])
         depth = min(want, tree.deepest())
         keep: list[int] = []
