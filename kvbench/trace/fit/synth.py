@@ -202,9 +202,9 @@ class _Rows:
     """The fitted joint rows by tenth of the trace, each tenth's by stack distance (fresh rows first), so that
     a request draws among its tenth's rows whose distance fits in what the twin has touched so far (in the
     trace, no request could reuse a prefix from before the trace began). Drawn without replacement, a tenth's
-    rows all once before any twice: a twin of the trace's size uses each row once, so each shared prefix is
-    made once and branched off as often as in the trace (with replacement, about a third of the rows would be
-    missing and as many drawn twice)."""
+    rows all once before any twice, for each of the K copies of the users apart: a twin of the trace's size
+    uses each row once, so each shared prefix is made once and branched off as often as in the trace (with
+    replacement, about a third of the rows would be missing and as many drawn twice)."""
 
     def __init__(self, params: dict, scale: float) -> None:
         rows = np.asarray(params["joint"]["rows"], dtype=np.float64).reshape(-1, NCOL)
@@ -215,7 +215,7 @@ class _Rows:
         rows = rows[np.lexsort((rows[:, DISTANCE], rows[:, TENTH]))]
         self.rows = rows
         self.start = np.searchsorted(rows[:, TENTH], np.arange(TENTHS + 1), side="left")
-        self.left: dict[int, tuple[list[float], list[int]]] = {}  # tenth -> its rows not drawn yet
+        self.left: dict[tuple[int, int], tuple[list[float], list[int]]] = {}  # (tenth, copy) -> rows not drawn
         # shared prefix -> the rows of the requests that made it (and those above it past what they shared)
         prefixes = params.get("shared_prefixes", [])
         self.makers: dict[int, list[int]] = {}
@@ -225,27 +225,28 @@ class _Rows:
                 self.makers.setdefault(p, []).append(int(r))
                 p = prefixes[p][1]
 
-    def _left(self, k: int) -> tuple[list[float], list[int]]:
-        distances, left = self.left.get(k, ([], []))
+    def _left(self, i: int, n: int, copy: int) -> tuple[list[float], list[int]]:
+        k = min(i * TENTHS // n, TENTHS - 1)
+        distances, left = self.left.get((k, copy), ([], []))
         if not left:
             lo, hi = self.start[k], self.start[k + 1]
             if lo == hi:  # a tenth without rows (a subsampled tiny trace): all rows
                 lo, hi = 0, self.rows.shape[0]
-            distances, left = self.left[k] = (self.rows[lo:hi, DISTANCE].tolist(), list(range(lo, hi)))
+            distances, left = self.left[k, copy] = (self.rows[lo:hi, DISTANCE].tolist(), list(range(lo, hi)))
         return distances, left
 
-    def draw(self, i: int, n: int, u: float, touched: int) -> int:
-        """The row (its index) request i of n draws."""
-        distances, left = self._left(min(i * TENTHS // n, TENTHS - 1))
+    def draw(self, i: int, n: int, copy: int, u: float, touched: int) -> int:
+        """The row (its index) request i of n, of the given copy of the users, draws."""
+        distances, left = self._left(i, n, copy)
         j = int(u * max(bisect.bisect_right(distances, touched), 1))
         distances.pop(j)
         return left.pop(j)
 
-    def maker_for(self, i: int, n: int, drawn: int, prefix: int) -> int | None:
+    def maker_for(self, i: int, n: int, copy: int, drawn: int, prefix: int) -> int | None:
         """In the trace a shared prefix is made before any request branches off it: a request that drew a row
         branching off one the twin has not made yet takes instead the row of a request that made it, if its
         tenth has one left, and puts its own back."""
-        distances, left = self._left(min(i * TENTHS // n, TENTHS - 1))
+        distances, left = self._left(i, n, copy)
         for m in self.makers.get(prefix, ()):
             j = bisect.bisect_left(distances, self.rows[m, DISTANCE])
             while j < len(left) and left[j] != m and distances[j] == self.rows[m, DISTANCE]:
@@ -301,9 +302,9 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     hot = _SharedPrefixes(params.get("shared_prefixes", []), tree)
     copy = np.floor(rng.random(n) * scale)  # K interleaved copies of the users, each with its own prefixes
     for i in range(n):
-        r = table.draw(i, n, u[i], tree.recency.total)
+        r = table.draw(i, n, int(copy[i]), u[i], tree.recency.total)
         while table.rows[r, PREFIX] >= 0 and hot.find(int(table.rows[r, PREFIX]), int(copy[i])) is None:
-            m = table.maker_for(i, n, r, int(table.rows[r, PREFIX]))
+            m = table.maker_for(i, n, int(copy[i]), r, int(table.rows[r, PREFIX]))
             if m is None:
                 break
             r = m
