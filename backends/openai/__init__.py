@@ -29,8 +29,8 @@ from kvbench.live.prompts import words
 from kvbench.options import option
 from kvbench.redact import is_secret_name, redact
 from kvbench.trace.files import TraceMeta
+from kvbench.trace.tokens import DEFAULT_VOCAB
 
-DEFAULT_VOCAB = 4096
 PROMPT_BATCH = 512  # at most this many requests' prompts are synthesised together…
 PROMPT_BATCH_TOKENS = 1 << 18  # …and about this many tokens (~0.15 s of numpy: long agent prompts stay bounded)
 PROMPT_BATCHES_KEPT = 8
@@ -98,13 +98,6 @@ class OpenAIConfig:
         unit="tokens",
         type=click.IntRange(min=1),
     )
-    max_output_tokens: int | None = option(
-        None,
-        "cap each request's output tokens (default: the trace's output_tokens); prefix-cache checks need no long "
-        "decodes",
-        unit="tokens",
-        type=click.IntRange(min=1),
-    )
     reset_prefix_cache: bool = option(
         False,
         "POST /reset_prefix_cache before the run (vLLM with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache), so that "
@@ -148,7 +141,6 @@ class OpenAIBackend:
         self.timeout_s, self.vocab, self.send_salt = c.timeout_s, c.vocab, c.send_salt
         self.slo = parse_slo(c.slo)
         self.engine_block_size = c.engine_block_size
-        self.max_output_tokens = c.max_output_tokens
         self.reset_prefix_cache = c.reset_prefix_cache
         self.send_lora = c.send_lora
         self.pacing = Pacing(**{k: v for k, v in pacing.items() if v is not None})
@@ -168,6 +160,15 @@ class OpenAIBackend:
                 pacing=vars(self.pacing),
             )
         )
+
+    def engine_settings(self) -> dict:
+        """What the server publishes of its cache and context (kvbench.live.engine_settings), read before the
+        run: the replay checks prompts against the context before it sends any, and records the rest."""
+        from kvbench.live.engine_settings import read_url
+
+        key = api_key(self.api_key_env)
+        headers = {**self.address.auth_headers, **self.headers, **({"Authorization": f"Bearer {key}"} if key else {})}
+        return read_url(self.url, headers, timeout_s=min(self.timeout_s or 10.0, 10.0))
 
     @contextlib.asynccontextmanager
     async def connect(self, trace: pa.Table, meta: TraceMeta, origin: float):
@@ -272,7 +273,7 @@ class OpenAIBackend:
         tokens = self._tokens(row)
         body = {
             "model": (self._lora[row] if self.send_lora else None) or self.model,
-            "max_tokens": max(min(int(self._out[row]), self.max_output_tokens or 1 << 30), 1),
+            "max_tokens": max(int(self._out[row]), 1),  # `replay --max-output-tokens` caps the trace's
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbench.errors import KvbenchError
+from kvbench.trace.tokens import DEFAULT_VOCAB
 
 # Log-spaced lengths: the fit weighs every point's relative error alike, so the grid says which sizes the terms
 # must serve; doublings from 32 to 8192 tokens cover short chat turns to long documents, and the prompts past the
@@ -21,7 +22,6 @@ DEFAULT_CONTEXT_NEW = (64, 256, 1024)  # new tokens after each cached context
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_DECODE_CONTEXTS = (128, 1024)  # two lengths, so that a batch's KV and its size vary apart
 DEFAULT_DECODE_TOKENS = 64
-DEFAULT_VOCAB = 4096
 DEFAULT_MAX_PROMPT = 8192
 DEFAULT_REPEATS = 3
 # vLLM's default token budget of one step on CPU (--max-num-batched-tokens): a longer prefill runs as chunks of

@@ -91,6 +91,8 @@ def compare(runs, as_json, out, overwrite, skip_first):
             write_page(out, "compare", "kvbench compare", page_sections(cmp, out), cmp.result)
     finally:
         bar.close()
+    for line in cmp.result["setting_warnings"]:  # a prediction made with other settings than the live run's
+        click.secho(f"warning: the runs differ in {line}", fg="yellow", err=True)
     if as_json:
         click.echo(json.dumps(cmp.result, indent=2))
     elif out is None:

@@ -13,6 +13,8 @@ from kvbench.errors import KvbenchError
 from kvbench.redact import redact_argv
 from kvbench.run.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
 from kvbench.run.fairness import describe_guarantee
+from kvbench.run.limits import CONTEXT_HELP, FIT_HELP, MAX_OUTPUT_HELP
+from kvbench.trace.context import FIT_MODES
 from kvbench.run.plugins import backend_names, load_backend
 from kvbench.run.runner import LIVE_EXECUTORS
 from kvbench.run.saturation import describe as describe_saturation
@@ -98,6 +100,16 @@ class ReplayCommand(click.Command):
     "SLO attainment per tenant and whether each one's TTFT p99 is within its TTFT target, for backends that "
     "model or measure latency [default: the trace's slo_ttft_ms / slo_tpot_ms columns]",
 )
+@click.option("--max-output-tokens", type=click.IntRange(min=1), help=MAX_OUTPUT_HELP)
+@click.option("--context", "context_tokens", type=click.IntRange(min=1), help=CONTEXT_HELP)
+@click.option("--fit-context", type=click.Choice(FIT_MODES), default="refuse", show_default=True, help=FIT_HELP)
+@click.option(
+    "--like",
+    metavar="URL",
+    help="sim backend: predict as the engine at URL is set up, from what it publishes (vLLM: /metrics "
+    "cache_config_info and /v1/models; llama.cpp: /props and /slots): its policy, capacity, slots and context, "
+    "printed; an option given here wins (docs/fidelity.md, Engine settings)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print summary.json to stdout")
 @click.option(
     "--report/--no-report",
@@ -165,6 +177,10 @@ def replay(
     warmup,
     tenant_weights,
     tenant_slo,
+    max_output_tokens,
+    context_tokens,
+    fit_context,
+    like,
     as_json,
     report,
     stream,
@@ -183,12 +199,15 @@ def replay(
     """
     from kvbench.run.backend import Progress as PointProgress
     from kvbench.run.fairness import parse_tenant_slo, parse_tenant_weights
+    from kvbench.run.limits import RequestLimits
     from kvbench.run.runner import run_replay
 
     fairness = {"tenant_weights": parse_tenant_weights(tenant_weights), "tenant_slo": parse_tenant_slo(tenant_slo)}
 
     if backend not in backend_names():
         raise KvbenchError(f"unknown backend {backend!r}; installed: {', '.join(backend_names())}")
+    if like:
+        context_tokens = _like(like, trace_path, backend, backend_options, context_tokens)
     with _progress_bar() as bar:
         task = bar.add_task("replaying", total=None) if bar else None
         failed = 0
@@ -221,6 +240,7 @@ def replay(
             fairness={k: v for k, v in fairness.items() if v} or None,
             force=force,
             trace_cache=trace_cache,
+            limits=RequestLimits(max_output_tokens, context_tokens, fit_context),
         )
     for w in summary.get("workers") or ():
         if w["status"] == "dead":
@@ -231,12 +251,56 @@ def replay(
                 fg="red",
                 err=True,
             )
+    if summary.get("engine_settings"):
+        from kvbench.live.engine_settings import describe as describe_engine
+
+        click.echo(f"{'engine':>28}: {describe_engine(summary['engine_settings'])}", err=True)
+    _say_limits(summary.get("limits") or {})
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         _print_points(summary)
         click.echo(f"results in {run_dir}/ (summary.json, requests.parquet{', report.html' if report else ''})")
     _exit_status(summary, run_dir, max_failure_rate)
+
+
+def _like(url: str, trace_path: str, backend: str, backend_options: dict, context_tokens):
+    """--like URL: the sim backend's options set from what the engine publishes (kvbench.run.like), printed;
+    returns the context to check prompts against."""
+    from kvbench.live.engine_settings import describe as describe_engine
+    from kvbench.live.engine_settings import read_url
+    from kvbench.run.like import options_like
+    from kvbench.trace.files import read_meta
+
+    if backend != "sim":
+        raise KvbenchError(f"--like sets up the sim backend's prediction; --backend {backend} does not take it")
+    settings = read_url(url)
+    click.echo(f"{'like':>28}: {describe_engine(settings)}", err=True)
+    try:
+        block_size = read_meta(trace_path).block_size
+    except (OSError, ValueError) as exc:
+        raise KvbenchError(f"cannot read {trace_path}: {exc}") from None
+    ctx = click.get_current_context()
+    given = {k: v if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE else None
+             for k, v in backend_options.items()}  # fmt: skip
+    chosen = options_like(settings, block_size, given)
+    backend_options.update(chosen)
+    shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in chosen.items())
+    click.echo(f"{'set from the engine':>28}: {shown or 'nothing (all given)'}", err=True)
+    return context_tokens or settings.get("context_tokens")
+
+
+def _say_limits(limits: dict) -> None:
+    """One line on stderr when prompts were cut or skipped to fit the context."""
+    done = limits.get("cut") or limits.get("skipped")
+    if done:
+        how = "cut to their leading whole blocks" if limits.get("cut") else "left out"
+        click.secho(
+            f"{done} requests did not fit the {limits['context_tokens']}-token context ({limits['context_from']}; the "
+            f"longest prompt had {limits['longest_prompt']} tokens): {how}",
+            fg="yellow",
+            err=True,
+        )
 
 
 def _progress_bar():

@@ -45,6 +45,7 @@ class FakeServer:
         keepalive_max: int | None = None,
         close_after: int | None = None,
         idle_timeout_s: float | None = None,
+        max_model_len: int | None = None,
     ):
         self.block_size, self.itl_s, self.fault = block_size, itl_s, fault or (lambda n: None)
         self.ignore_salt = ignore_salt  # behave like llama.cpp, which shares its cache whatever the salt
@@ -53,6 +54,7 @@ class FakeServer:
         self.answered: dict = {}  # transport -> answers given on that connection (open connections only)
         self.dropped = 0  # requests dropped unanswered by close_after
         self.cache: set[int] = set()
+        self.max_model_len = max_model_len  # published on /v1/models, as vLLM does, when given
         self.received = 0
         self.running = 0
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "queries": 0, "hits": 0, "requests": 0}
@@ -92,7 +94,10 @@ class FakeServer:
         return web.Response(text="ok")
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        card = {"id": "fake", "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def tokenize(self, request):
         """vLLM's /tokenize, for the recording proxy's tests: a word is a token, its id a stable hash of it;

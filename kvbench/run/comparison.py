@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvbench.errors import KvbenchError
+from kvbench.run.settingcheck import warnings as setting_warnings
 from kvbench.run.fidelity import fidelity as error_table
 from kvbench.run.pointnames import migrate_summary
 from kvbench.run.results import read_requests, requests_schema, result_files
@@ -389,6 +390,7 @@ def analyse(runs: list[dict], progress: Progress | None = None, skip_first: int 
         "ttft_fidelity": ttft_fidelity(runs, samples),
         "model_vs_measurement": model_vs_measurement(runs, skip_first),
         "bootstrap": {"resamples": N_BOOT, "seed": SEED, "interval": list(CI), "unit": "request"},
+        "setting_warnings": setting_warnings(runs),
     }
     return Comparison(runs, samples, result)
 

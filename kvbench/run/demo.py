@@ -14,7 +14,9 @@ from kvbench.run.backend import DemoGrid
 from kvbench.run.plugins import backend_names, load_backend
 from kvbench.run.runner import run_replay
 from kvbench.trace import generators
+from kvbench.trace.context import drop_dangling, truncate
 from kvbench.trace.files import new_meta, write_trace
+from kvbench.trace.schema import cap_outputs
 from kvbench.trace.validation import check
 
 DEMO_REQUESTS = 2000  # per workload kind: enough to share prefixes and evict, quick on two cores
@@ -67,56 +69,13 @@ def run_offline(demo: Demo, step: Callable[[str], None]) -> None:
             demo.runs.append(DemoRun(workload, backend, run_dir, summary))
 
 
-def fit_context(table: pa.Table, max_len: int, block_size: int) -> tuple[pa.Table, int]:
-    """Every request cut to fit the engine's context with its capped output: a longer prompt keeps its first
-    whole blocks (as many as fit) and loses the rest. Prefixes are what requests share, so the trim keeps the
-    reuse structure (who shares how many leading blocks with whom) up to the cut; media spans that end past it
-    are dropped. Returns the table and how many requests were cut (a tiny CPU model has a short context, and
-    the agent trace's prompts all exceed it)."""
-    cap_blocks = (max_len - LIVE_OUTPUT_TOKENS) // block_size
-    if cap_blocks < 1:
-        raise ValueError(f"a {max_len}-token context leaves no whole {block_size}-token block for a prompt")
-    cap = cap_blocks * block_size
-    tokens = table.column("input_tokens").to_numpy()
-    long = tokens > cap
-    if not long.any():
-        return table, 0
-    hashes = [h if not cut else h[:cap_blocks] for h, cut in zip(table.column("block_hashes").to_pylist(), long)]
-    columns = {
-        "input_tokens": pa.array([min(int(t), cap) for t in tokens.tolist()], table.schema.field("input_tokens").type),
-        "block_hashes": pa.array(hashes, table.schema.field("block_hashes").type),
-    }
-    if "mm_items" in table.column_names:
-        items = table.column("mm_items").to_pylist()
-        kept = [
-            [m for m in ms if m["offset"] + m["tokens"] <= cap] if ms is not None and cut else ms
-            for ms, cut in zip(items, long)
-        ]
-        columns["mm_items"] = pa.array(kept, table.schema.field("mm_items").type)
-    for name, values in columns.items():
-        i = table.schema.get_field_index(name)
-        table = table.set_column(i, table.schema.field(name), values)
-    return table, int(long.sum())
-
-
 def live_subset(table: pa.Table, max_len: int, n: int, block_size: int) -> tuple[pa.Table, int]:
-    """The first `n` requests, each cut to fit the engine's context (`fit_context`), with references to
-    requests left out dropped. Returns the subset and how many of its prompts were cut."""
-    sub, trimmed = fit_context(table.slice(0, n), max_len, block_size)
-    kept = set(sub.column("request_id").to_pylist())
-    parent = [p if p in kept else None for p in sub.column("parent_id").to_pylist()]
-    deps = [[d for d in (ds or []) if d in kept] for ds in sub.column("depends_on").to_pylist()]
-    sub = sub.set_column(
-        sub.schema.get_field_index("parent_id"),
-        sub.schema.field("parent_id"),
-        pa.array(parent, sub.schema.field("parent_id").type),
-    )
-    sub = sub.set_column(
-        sub.schema.get_field_index("depends_on"),
-        sub.schema.field("depends_on"),
-        pa.array(deps, sub.schema.field("depends_on").type),
-    )
-    return sub, trimmed
+    """The first `n` requests, outputs capped at LIVE_OUTPUT_TOKENS (in the trace, so that the prediction knows
+    them too), each cut to fit the engine's `max_len`-token context (kvbench.trace.context: a tiny CPU model has
+    a short context, and the agent trace's prompts all exceed it), references to requests left out dropped.
+    Returns the subset and how many of its prompts were cut."""
+    sub, trimmed = truncate(cap_outputs(table.slice(0, n), LIVE_OUTPUT_TOKENS), max_len, block_size)
+    return drop_dangling(sub), trimmed
 
 
 def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str], None]) -> None:
@@ -155,7 +114,6 @@ def run_live(demo: Demo, step: Callable[[str], None], engine_log: Callable[[str]
             "mode": "rate",
             "rate": 1000.0,
             "max_concurrency": 1,
-            "max_output_tokens": LIVE_OUTPUT_TOKENS,
             "reset_prefix_cache": True,
             "send_lora": False,
         }
@@ -174,7 +132,6 @@ def run_live_llama(demo: Demo, step: Callable[[str], None], engine_log: Callable
     from kvbench.report.compare import page_sections, write_page
     from kvbench.run.comparison import compare
     from kvbench.trace.files import read_trace
-    from kvbench.trace.schema import cap_outputs
 
     step("starting llama.cpp (compiles llama-server the first time: 5-16 min on 2 cores)")
     info = engines.up("llama-cpp", progress=engine_log)
@@ -184,10 +141,10 @@ def run_live_llama(demo: Demo, step: Callable[[str], None], engine_log: Callable
         original = demo.out / "live-traces" / f"{workload}.parquet"
         if not original.exists() or (workload, "live") not in by_kind:
             continue
+        # the live subset's outputs are capped in the trace: the slot keeps the generated tokens, so the
+        # prediction sees the cap the live replay has
         table, meta = read_trace(original)
-        # the live replay caps outputs; the slot keeps the generated tokens, so the prediction must see the cap
-        table = cap_outputs(table, LIVE_OUTPUT_TOKENS)
-        trace = write_trace(table, demo.out / "live-traces" / f"{workload}-llama.parquet", meta)
+        trace = original
         step(f"{workload}: llama.cpp live replay of {table.num_rows} requests")
         engines.down("llama-cpp")  # an empty server, as the prediction starts (and as vLLM's reset cache)
         info = engines.up("llama-cpp", progress=engine_log, **info.settings)

@@ -31,6 +31,8 @@ from kvbench.run.backend import (
 )
 from kvbench.run.fairness import add_fairness_views, has_tenants
 from kvbench.run.fairness import check_options as check_fairness
+from kvbench.run.limits import RequestLimits
+from kvbench.run.limits import apply as apply_limits
 from kvbench.run.plugins import load_backend
 from kvbench.run.results import WRITE_ROWS, ResultWriter
 from kvbench.run.rundir import RunDir, stamp
@@ -145,6 +147,7 @@ def run_replay(
     trace_cache: bool = True,
     trace_label: str | None = None,
     fairness: dict | None = None,
+    limits: RequestLimits | None = None,
 ):
     """Replay a trace through a backend; returns (run directory, summary). Writes requests.parquet as points
     are answered and summary.json after every point, so an interrupted run keeps and reports what it finished.
@@ -157,15 +160,25 @@ def run_replay(
     a trace read whole keeps what reading and preparing it computes in the trace cache, and loads it from there
     on the next run of the same file (`tracecache`; results are the same either way). `trace_label`: how the
     results name the trace when `trace_path` is a copy of it (a sweep's point on another node). `fairness`:
-    {"tenant_weights": …, "tenant_slo": …} as `kvbench.run.fairness` parses them, for its per-tenant views."""
+    {"tenant_weights": …, "tenant_slo": …} as `kvbench.run.fairness` parses them, for its per-tenant views.
+    `limits` (`kvbench.run.limits`): outputs capped and prompts fitted to the context, for every backend alike;
+    a live backend that reads the engine's settings (`engine_settings()`) has its context checked by default."""
     trace_path = Path(trace_path)
     backend, protocol = _make_backend(backend_name, backend_options)
     online = protocol is OnlineBackend
     check_executor(workers, executor, online, ray_address)
     if resume and not (online and out):
         raise KvbenchError("--resume continues a live run: give the interrupted run's --out DIR and a live backend")
-    light = isinstance(backend, TraceCacheUser)
-    trace = _open_trace(trace_path, False if online else stream, warmup, cache=trace_cache and not online, light=light)
+    limits = limits or RequestLimits()
+    engine = backend.engine_settings() if online and hasattr(backend, "engine_settings") else None
+    changes = limits.changes_trace() or bool(engine and engine.get("context_tokens"))
+    light = isinstance(backend, TraceCacheUser) and not changes
+    cache = trace_cache and not online and not changes
+    trace = _open_trace(trace_path, False if online or changes else stream, warmup, cache=cache, light=light)
+    from kvbench.live.pacing import request_count
+
+    sent = request_count(trace.table, backend.pacing) if online and hasattr(backend, "pacing") else None
+    trace, limited = _limited(trace, limits, engine, warmup, str(trace_path), sent)
     check_fairness(trace.table, fairness, trace_path.name)
     if trace.scanned is not None and protocol is not StreamingBackend:
         raise KvbenchError(
@@ -180,6 +193,9 @@ def run_replay(
     )
     run_dir = claimed.path
     summary = _new_summary(run_dir.name, command, trace_label or trace_path, trace, backend_name, config)
+    summary["limits"] = limited
+    if engine is not None:
+        summary["engine_settings"] = engine
     try:
         if online:
             _run_online(backend, backend_name, backend_options, trace, run_dir, summary, warmup, progress, report,
@@ -191,6 +207,23 @@ def run_replay(
         if not _measured(summary):
             claimed.discard()
         raise
+
+
+def _limited(trace: _Trace, limits: RequestLimits, engine: dict | None, warmup: float, source: str, sent=None):
+    """The trace with `limits` applied (`kvbench.run.limits`) and their record; the trace as it was when they
+    change nothing. `sent`: a live run's --max-requests, the leading requests it sends, which alone are
+    checked (and then kept: the rest would not be sent)."""
+    if trace.table is None:  # scanned: only when nothing is to change
+        return trace, None
+    whole = trace.table if sent is None else trace.table.slice(0, sent)
+    table, record = apply_limits(whole, trace.meta.block_size, limits, engine, source)
+    if table is whole:
+        return trace, record
+    n_blocks = block_lengths(table.column("block_hashes"))
+    hits = infinite_cache_hits(table.column("block_hashes"), number=numbered_chunks)
+    facts = {"fingerprint": trace_fingerprint(table), "requests": table.num_rows, "block_references": int(n_blocks.sum())}
+    infinite = _infinite_rates(hits, n_blocks, table, trace.meta.block_size, warmup)
+    return _Trace(trace.meta, facts, infinite, table, n_blocks), record
 
 
 LIVE_EXECUTORS = ("local", "ray")  # where a live run's load generators run: this process, or Ray actors

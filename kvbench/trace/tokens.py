@@ -11,6 +11,7 @@ import numpy as np
 from kvbench.trace.blockhash import mix, splitmix64
 
 RESERVED_TOKENS = 16  # ids below this are left alone: engines' special tokens live there
+DEFAULT_VOCAB = 4096  # token ids synthesised prompts stay below unless told (a tiny model's vocabulary fits it)
 
 
 def _draw(seeds, index, vocab: int) -> np.ndarray:

@@ -7,6 +7,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 
 from ..conftest import CHAT
@@ -22,10 +23,9 @@ def live(vllm, out, **extra):
         "rate": 1000.0,
         "max_concurrency": 1,  # per worker
         "max_requests": N,
-        "max_output_tokens": 1,
         "send_lora": False,
     }
-    return run_replay(CHAT, "openai", opts, out=out, report=False, **extra)
+    return run_replay(CHAT, "openai", opts, out=out, report=False, limits=RequestLimits(max_output_tokens=1), **extra)
 
 
 def test_two_ray_workers_replay_the_single_client_request_set(vllm, ray_cluster, tmp_path):

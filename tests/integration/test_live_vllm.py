@@ -18,6 +18,7 @@ import pytest
 
 from kvbench import engines
 from kvbench.live.audit import audit_isolation
+from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 
 from ..conftest import REPO
@@ -101,19 +102,18 @@ def traces(tmp_path_factory):
     return {"chat": REPO / "traces/samples/chat.parquet", "agent": agent, "multi-tenant": mt}
 
 
-def live(trace, vllm, out, **extra):
+def live(trace, vllm, out, cap=1, **extra):
     opts = {
         "url": vllm.url,
         "mode": "rate",
         "rate": 1000.0,
         "max_concurrency": 1,
         "max_requests": N,
-        "max_output_tokens": 1,
         "reset_prefix_cache": True,
         "send_lora": False,
         **extra,
     }
-    return run_replay(trace, "openai", opts, out=out, report=False)
+    return run_replay(trace, "openai", opts, out=out, report=False, limits=RequestLimits(max_output_tokens=cap))
 
 
 def predicted(trace, block_size, capacity, out, tmp_path):
@@ -196,7 +196,7 @@ def test_small_cache_matches_the_vllm_policy(small_vllm, traces, tmp_path, kind,
     """With evictions, at concurrency 1: the simulator is given the engine's own block count (vLLM's null block
     and the blocks of generated tokens are part of the rule, docs/fidelity.md)."""
     trace = capped(traces[kind], n, SMALL_OUTPUT_TOKENS, tmp_path)
-    run_dir, _ = live(trace, small_vllm, tmp_path / "live", max_requests=n, max_output_tokens=None)
+    run_dir, _ = live(trace, small_vllm, tmp_path / "live", max_requests=n, cap=None)
     rows = pq.read_table(run_dir / "requests.parquet")
     assert set(rows.column("status").to_pylist()) == {"ok"}
     expect = predicted(trace, small_vllm.block_size, SMALL_CACHE_BLOCKS, tmp_path / "sim", tmp_path)

@@ -21,6 +21,7 @@ import urllib.request
 import pyarrow.parquet as pq
 import pytest
 
+from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 from kvbench.trace.validation import read_valid_trace
 
@@ -96,11 +97,12 @@ def test_a_recorded_chat_session_replays_with_the_same_cached_tokens(vllm, tmp_p
         "mode": "rate",
         "rate": 1000.0,
         "max_concurrency": 1,
-        "max_output_tokens": 1,
         "reset_prefix_cache": True,
         "send_lora": False,
     }
-    run_dir, _ = run_replay(out, "openai", opts, out=tmp_path / "replay", report=False)
+    run_dir, _ = run_replay(
+        out, "openai", opts, out=tmp_path / "replay", report=False, limits=RequestLimits(max_output_tokens=1)
+    )
     rows = pq.read_table(run_dir / "requests.parquet")
     assert set(rows.column("status").to_pylist()) == {"ok"}, rows.column("error")
     lengths = dict(zip(table.column("request_id").to_pylist(), table.column("input_tokens").to_pylist()))

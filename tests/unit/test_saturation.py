@@ -8,12 +8,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 from kvbench.run.saturation import describe, saturation
 from kvbench.trace.files import read_trace, write_trace
 
 from ..conftest import CHAT
 from .live.conftest import fake_server  # noqa: F401  (the fixture, for the live test)
+
+CAP16 = RequestLimits(max_output_tokens=16)
 
 REQUESTS = 400  # of the chat sample: enough bins for a trend, a second or two of engine-sim
 
@@ -80,15 +83,15 @@ def test_an_offline_simulation_has_no_verdict(tmp_path):
 
 def test_a_live_run_faster_than_the_server_is_saturated_and_a_slow_one_is_not(fake_server, tmp_path):  # noqa: F811
     srv = fake_server(itl_ms=2.0)  # 16 tokens each: ~35 ms a request, one at a time below
-    fast = {"url": srv.url, "mode": "rate", "rate": 500.0, "max_requests": 60, "max_output_tokens": 16}
-    _, summary = run_replay(CHAT, "openai", {**fast, "max_concurrency": 1}, out=tmp_path / "fast", report=False)
+    fast = {"url": srv.url, "mode": "rate", "rate": 500.0, "max_requests": 60}
+    _, summary = run_replay(CHAT, "openai", {**fast, "max_concurrency": 1}, out=tmp_path / "fast", report=False, limits=CAP16)
     v = summary["points"][0]["saturation"]
     assert v["saturated"] is True and v["signal"] == "schedule lag + ttft_s"
     assert v["served_rps"] < v["offered_rps"] / 3
     span = 60 / 500.0 * 3  # the schedule's length, generously (gamma gaps)
     assert 0 <= v["from_s"] <= span
     slow = {**fast, "rate": 10.0, "max_requests": 16}
-    _, summary = run_replay(CHAT, "openai", slow, out=tmp_path / "slow", report=False)
+    _, summary = run_replay(CHAT, "openai", slow, out=tmp_path / "slow", report=False, limits=CAP16)
     assert summary["points"][0]["saturation"]["saturated"] is False
 
 

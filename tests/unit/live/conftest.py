@@ -42,8 +42,10 @@ def fake_server():
     """Factory: fake_server(faults=["3:cut"], itl_ms=0, block_size=16, require_key=None) -> RunningServer."""
     started = []
 
-    def start(faults=(), itl_ms=0.0, block_size=16, require_key=None):
-        srv = RunningServer(FakeServer(block_size, itl_ms / 1000.0, fault_plan(list(faults)), require_key=require_key))
+    def start(faults=(), itl_ms=0.0, block_size=16, require_key=None, max_model_len=None):
+        fake = FakeServer(block_size, itl_ms / 1000.0, fault_plan(list(faults)), require_key=require_key,
+                          max_model_len=max_model_len)  # fmt: skip
+        srv = RunningServer(fake)
         started.append(srv)
         return srv
 

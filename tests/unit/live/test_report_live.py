@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pyarrow.parquet as pq
 
+from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 
 from ...conftest import REPO
@@ -15,8 +16,11 @@ from ...conftest import REPO
 
 def test_live_report_shows_latency_counters_and_kv_timeline(fake_server, tmp_path):
     srv = fake_server(itl_ms=2)
-    opts = {"url": srv.url, "mode": "rate", "rate": 40.0, "max_requests": 120, "max_output_tokens": 4}
-    run_dir, summary = run_replay(REPO / "traces/samples/multi-tenant.parquet", "openai", opts, out=tmp_path / "live")
+    opts = {"url": srv.url, "mode": "rate", "rate": 40.0, "max_requests": 120}
+    run_dir, summary = run_replay(
+        REPO / "traces/samples/multi-tenant.parquet", "openai", opts, out=tmp_path / "live",
+        limits=RequestLimits(max_output_tokens=4),
+    )
     timeline = summary["points"][0]["server_timeline"]
     # polled about once a second over a ~3 s run: the fake cache only grows
     assert len(timeline["t_s"]) >= 2 and np.all(np.diff(timeline["kv_usage"]) >= 0)
