@@ -103,7 +103,7 @@ def _request_error(error: str, prompt_tokens: int) -> str:
 
 async def server_facts(session, base: str) -> dict:
     """vLLM's cache config from /metrics (block size, KV blocks), so the simulator's pool can match; {} if none."""
-    import re
+    from kvbench.live.engine_settings import vllm_cache_config
 
     try:
         async with session.get(base + "/metrics") as resp:
@@ -112,15 +112,8 @@ async def server_facts(session, base: str) -> dict:
             text = await resp.text()
     except Exception:  # noqa: BLE001 - optional facts
         return {}
-    m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.M)
-    if not m:
-        return {}
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-    facts = {}
-    for key in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens"):
-        if labels.get(key, "").isdigit():
-            facts[key] = int(labels[key])
-    return facts
+    labels = vllm_cache_config(text)
+    return {k: labels[k] for k in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens") if isinstance(labels.get(k), int)}
 
 
 async def reset_prefix_cache(session, base: str) -> bool:

@@ -106,7 +106,7 @@ class ReplayCommand(click.Command):
 @click.option(
     "--like",
     metavar="URL",
-    help="sim backend: predict as the engine at URL is set up, from what it publishes (vLLM: /metrics "
+    help="sim (and engine-sim, for vLLM): predict as the engine at URL is set up, from what it publishes (vLLM: /metrics "
     "cache_config_info and /v1/models; llama.cpp: /props and /slots): its policy, capacity, slots and context, "
     "printed; an option given here wins (docs/fidelity.md, Engine settings)",
 )
@@ -272,8 +272,8 @@ def _like(url: str, trace_path: str, backend: str, backend_options: dict, contex
     from kvbench.run.like import options_like
     from kvbench.trace.files import read_meta
 
-    if backend != "sim":
-        raise KvbenchError(f"--like sets up the sim backend's prediction; --backend {backend} does not take it")
+    if backend not in ("sim", "engine-sim"):
+        raise KvbenchError(f"--like sets up a prediction (--backend sim or engine-sim), not --backend {backend}")
     settings = read_url(url)
     click.echo(f"{'like':>28}: {describe_engine(settings)}", err=True)
     try:
@@ -283,7 +283,7 @@ def _like(url: str, trace_path: str, backend: str, backend_options: dict, contex
     ctx = click.get_current_context()
     given = {k: v if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE else None
              for k, v in backend_options.items()}  # fmt: skip
-    chosen = options_like(settings, block_size, given)
+    chosen = options_like(settings, block_size, given, backend)
     backend_options.update(chosen)
     shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in chosen.items())
     click.echo(f"{'set from the engine':>28}: {shown or 'nothing (all given)'}", err=True)

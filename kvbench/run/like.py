@@ -1,4 +1,4 @@
-"""`replay --like URL`: a prediction set up as the engine at URL is (docs/fidelity.md, Engine settings), from what
+"""`replay --like URL` (sim, and engine-sim for vLLM): a prediction set up as the engine at URL is (docs/fidelity.md, Engine settings), from what
 it publishes (`kvbench.live.engine_settings`) instead of settings repeated by hand:
 
 - llama.cpp: the `llama-slot` policy, its slots (none given: llama-server's default of slots sharing one
@@ -8,7 +8,8 @@ it publishes (`kvbench.live.engine_settings`) instead of settings repeated by ha
   share one context and `--cache-reuse` are not published: for an engine `kvbench engine up` started they are
   read from its recorded arguments; for another, llama-server's defaults (shared, no reuse) are assumed unless
   `--slots` and `--cache-reuse` are given;
-- vLLM: the `vllm` policy with the engine's KV blocks (`num_gpu_blocks`) as the capacity; a trace cut at another
+- vLLM: the `vllm` policy with the engine's KV blocks (`num_gpu_blocks`) as the capacity (engine-sim: its HBM
+  pool, `--hbm-capacity`); a trace cut at another
   block size than the engine's is refused, with the command that re-cuts it.
 
 Both give the replay the engine's context, so prompts are checked against it as a live run checks them. An
@@ -20,10 +21,13 @@ from kvbench.errors import KvbenchError
 from kvbench.trace.tokens import DEFAULT_VOCAB
 
 
-def options_like(settings: dict, block_size: int, given: dict) -> dict:
-    """The sim backend's options for an engine with these `settings`, under those `given` on the command line."""
+def options_like(settings: dict, block_size: int, given: dict, backend: str = "sim") -> dict:
+    """The options of `backend` (sim, or engine-sim for vLLM) for an engine with these `settings`, under those
+    `given` on the command line."""
     engine = settings.get("engine")
     out: dict = {}
+    if engine == "llama.cpp" and backend != "sim":
+        raise KvbenchError("engine-sim models vLLM's scheduler; predict llama.cpp with --backend sim --like URL")
     if engine == "llama.cpp":
         out["policy"] = "llama-slot"
         total = settings.get("total_context_tokens") or settings.get("context_tokens")
@@ -47,7 +51,7 @@ def options_like(settings: dict, block_size: int, given: dict) -> dict:
             )
         out["policy"] = "vllm"
         if settings.get("num_gpu_blocks"):
-            out["capacity"] = str(int(settings["num_gpu_blocks"]))
+            out["capacity" if backend == "sim" else "hbm_capacity"] = str(int(settings["num_gpu_blocks"]))
     else:
         raise KvbenchError(
             "the server publishes no cache settings kvbench can read (vLLM's /metrics cache_config_info, "

@@ -120,6 +120,9 @@ def test_engine_settings_as_published():
         "policy": "llama-slot", "slots": 4, "cache_reuse": 256,
     }  # fmt: skip
     assert options_like(got, 32, {}) == {"policy": "vllm", "capacity": "1234"}
+    assert options_like(got, 32, {}, "engine-sim") == {"policy": "vllm", "hbm_capacity": "1234"}
+    with pytest.raises(KvbenchError, match="engine-sim models vLLM"):
+        options_like(unified, 16, {}, "engine-sim")
     with pytest.raises(KvbenchError, match="trace rebase TRACE --block-size 32"):
         options_like(got, 16, {})
 
