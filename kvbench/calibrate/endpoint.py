@@ -113,7 +113,8 @@ async def server_facts(session, base: str) -> dict:
     except Exception:  # noqa: BLE001 - optional facts
         return {}
     labels = vllm_cache_config(text)
-    return {k: labels[k] for k in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens") if isinstance(labels.get(k), int)}
+    keys = ("block_size", "num_gpu_blocks", "kv_cache_size_tokens")
+    return {k: labels[k] for k in keys if isinstance(labels.get(k), int)}
 
 
 async def reset_prefix_cache(session, base: str) -> bool:

@@ -106,9 +106,9 @@ class ReplayCommand(click.Command):
 @click.option(
     "--like",
     metavar="URL",
-    help="sim (and engine-sim, for vLLM): predict as the engine at URL is set up, from what it publishes (vLLM: /metrics "
-    "cache_config_info and /v1/models; llama.cpp: /props and /slots): its policy, capacity, slots and context, "
-    "printed; an option given here wins (docs/fidelity.md, Engine settings)",
+    help="sim (and engine-sim, for vLLM): predict as the engine at URL is set up, from what it publishes "
+    "(vLLM: /metrics cache_config_info and /v1/models; llama.cpp: /props and /slots): its policy, capacity, "
+    "slots and context, printed; an option given here wins (docs/fidelity.md, Engine settings)",
 )
 @click.option("--json", "as_json", is_flag=True, help="print summary.json to stdout")
 @click.option(

@@ -1,4 +1,5 @@
-"""`replay --like URL` (sim, and engine-sim for vLLM): a prediction set up as the engine at URL is (docs/fidelity.md, Engine settings), from what
+"""`replay --like URL` (sim, and engine-sim for vLLM): a prediction set up as the engine at URL is
+(docs/fidelity.md, Engine settings), from what
 it publishes (`kvbench.live.engine_settings`) instead of settings repeated by hand:
 
 - llama.cpp: the `llama-slot` policy, its slots (none given: llama-server's default of slots sharing one

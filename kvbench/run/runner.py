@@ -94,6 +94,11 @@ def _open_trace(trace_path: Path, stream: bool | None, warmup: float, cache=Fals
         infinite = _infinite_rates(hit.infinite_hits, hit.n_blocks, table, hit.meta.block_size, warmup)
         return _Trace(hit.meta, hit.facts, infinite, table, hit.n_blocks, cache=entry)
     table, meta = read_valid_trace(trace_path)
+    return _whole(table, meta, warmup, entry)
+
+
+def _whole(table: pa.Table, meta: TraceMeta, warmup: float, entry: TraceCache | None = None) -> _Trace:
+    """A trace read whole: its facts and infinite-cache hits, stored in the trace cache's `entry` if given."""
     n_blocks = block_lengths(table.column("block_hashes"))
     hits = infinite_cache_hits(table.column("block_hashes"), number=numbered_chunks)
     facts = {
@@ -217,13 +222,7 @@ def _limited(trace: _Trace, limits: RequestLimits, engine: dict | None, warmup: 
         return trace, None
     whole = trace.table if sent is None else trace.table.slice(0, sent)
     table, record = apply_limits(whole, trace.meta.block_size, limits, engine, source)
-    if table is whole:
-        return trace, record
-    n_blocks = block_lengths(table.column("block_hashes"))
-    hits = infinite_cache_hits(table.column("block_hashes"), number=numbered_chunks)
-    facts = {"fingerprint": trace_fingerprint(table), "requests": table.num_rows, "block_references": int(n_blocks.sum())}
-    infinite = _infinite_rates(hits, n_blocks, table, trace.meta.block_size, warmup)
-    return _Trace(trace.meta, facts, infinite, table, n_blocks), record
+    return (trace if table is whole else _whole(table, trace.meta, warmup)), record
 
 
 LIVE_EXECUTORS = ("local", "ray")  # where a live run's load generators run: this process, or Ray actors

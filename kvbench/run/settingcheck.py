@@ -28,7 +28,8 @@ def _limit_warnings(runs: list[dict]) -> list[str]:
         if a.get("over") or b.get("over"):  # some prompts did not fit: both must have cut them alike
             for key in ("context_tokens", "fit_context"):
                 if a.get(key) != b.get(key):
-                    out.append(f"{key} (prompts over the context): {_label(first)} {a.get(key)}, {_label(other)} {b.get(key)}")
+                    values = f"{_label(first)} {a.get(key)}, {_label(other)} {b.get(key)}"
+                    out.append(f"{key} (prompts over the context): {values}")
     return out
 
 
@@ -60,8 +61,9 @@ def _vllm_warnings(live: dict, engine: dict, pred: dict) -> list[str]:
         out.append(f"prefix caching: {_label(live)} off, {_label(pred)} predicts a prefix cache")
     blocks = engine.get("num_gpu_blocks")
     for p in _points(pred, "vllm"):
-        if blocks and p.get("capacity_blocks") is not None and p["capacity_blocks"] < 10**8 and p["capacity_blocks"] != blocks:
-            out.append(f"KV blocks: {_label(live)} {blocks}, {_label(pred)} {p['name']} {p['capacity_blocks']}")
+        have = p.get("capacity_blocks")
+        if blocks and have is not None and have < 10**8 and have != blocks:  # 10**8: "unbounded", on purpose
+            out.append(f"KV blocks: {_label(live)} {blocks}, {_label(pred)} {p['name']} {have}")
     return out
 
 

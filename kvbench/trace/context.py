@@ -44,16 +44,16 @@ def drop_dangling(table: pa.Table) -> pa.Table:
 def truncate(table: pa.Table, context: int, block_size: int) -> tuple[pa.Table, int]:
     """Each request that does not fit keeps its first whole blocks, as many as leave room for its output;
     media spans that end past the cut are dropped. Returns the table and how many requests were cut."""
-    tokens = table.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
-    room = (context - asked_output(table)) // block_size * block_size
-    long = tokens + asked_output(table) > context
+    tokens, out = table.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.int64), asked_output(table)
+    room = (context - out) // block_size * block_size
+    long = tokens + out > context
     if not long.any():
         return table, 0
     if (room[long] < block_size).any():
         row = int(np.flatnonzero(long & (room < block_size))[0])
         raise ContextOverflow(
             f"trace row {row}: a {context}-token context leaves no whole {block_size}-token block for the prompt "
-            f"beside its {int(asked_output(table)[row])} output tokens; lower --max-output-tokens, or use "
+            f"beside its {int(out[row])} output tokens; lower --max-output-tokens, or use "
             "--fit-context skip"
         )
     cap = np.where(long, room, tokens)
@@ -82,9 +82,8 @@ def fit_to_context(
     table: pa.Table, context: int, block_size: int, mode: str, source: str, context_from: str
 ) -> tuple[pa.Table, dict]:
     """`table` fitted to a `context`-token context by `mode` (FIT_MODES), and the record of what was done.
-    `source` names the trace and `context_from` where the context was read, for the refusal's message."""
-    if mode not in FIT_MODES:
-        raise KvbenchError(f"--fit-context must be one of {', '.join(FIT_MODES)}, not {mode!r}")
+    `source` names the trace and `context_from` where the context was read, for the refusal's message;
+    `mode` is checked where it is given (`kvbench.run.limits.RequestLimits`)."""
     need = table.column("input_tokens").to_numpy(zero_copy_only=False).astype(np.int64) + asked_output(table)
     over = need > context
     record = {"context_tokens": int(context), "context_from": context_from, "over": int(over.sum())}

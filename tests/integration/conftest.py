@@ -1,5 +1,12 @@
 """Integration tests against real engines started by `kvbench engine up` (see .ci/start-engines)."""
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from kvbench import engines
@@ -61,3 +68,30 @@ def llama():
             "time builds llama-server from source: 5-16 min on 2 cores)",
         )
     return info
+
+
+# --- fresh traces, live and predicted alike (test_live_vllm, test_live_llamacpp: `fresh_seeds`) ----------
+FRESH_KINDS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
+FRESH_REQUESTS = 12  # per kind and seed
+
+
+def fresh_seeds() -> list[int]:
+    """3 seeds drawn per run, or KVBENCH_TEST_SEEDS=a,b,c to replay a failure's (printed by the caller)."""
+    given = [int(s) for s in os.environ.get("KVBENCH_TEST_SEEDS", "").split(",") if s]
+    return given or [int(s) for s in np.random.SeedSequence().generate_state(3) % 100_000]
+
+
+def kvbench_cli(*args) -> None:
+    """A kvbench command as a user types it; its stderr in the failure."""
+    cmd = [shutil.which("kvbench") or "kvbench", *map(str, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr[-2000:]}"
+
+
+def cached_mismatches(live_dir: Path, pred_dir: Path) -> tuple[list[tuple[int, int, int]], int]:
+    """(request, predicted hit tokens, the server's cached_tokens) where they differ, a row count mismatch as
+    one (-1, predicted rows, live rows); and the live run's request count."""
+    got = pq.read_table(live_dir / "requests.parquet").column("cached_tokens").to_pylist()
+    want = pq.read_table(pred_dir / "requests.parquet").column("hit_tokens").to_pylist()
+    bad = [(i, w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g]
+    return bad + ([(-1, len(want), len(got))] if len(got) != len(want) else []), len(got)

@@ -7,11 +7,6 @@ cached_tokens exactly at concurrency 1. It ignores cache_salt, which the isolati
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -25,6 +20,7 @@ from kvbench.trace.files import read_trace, write_trace
 from kvbench.trace.schema import cap_outputs
 
 from ..conftest import CHAT, SAMPLES
+from .conftest import FRESH_KINDS, FRESH_REQUESTS, cached_mismatches, fresh_seeds, kvbench_cli
 
 pytestmark = pytest.mark.engine
 
@@ -107,12 +103,8 @@ def test_llama_slot_predicts_every_cached_token(restartable, tmp_path, kind, slo
 # and the arguments `kvbench engine up` started it with (how slots share the context, --cache-reuse: not
 # published), with the live run's own --max-output-tokens and --fit-context. Prompts that do not fit a slot are
 # cut alike on both sides.
-SEEDS = [int(s) for s in os.environ.get("KVBENCH_TEST_SEEDS", "").split(",") if s] or [
-    int(s) for s in np.random.SeedSequence().generate_state(3) % 100_000
-]
+SEEDS = fresh_seeds()
 print(f"test_live_llamacpp seeds: {','.join(map(str, SEEDS))}")
-KINDS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
-FRESH_REQUESTS = 12  # per kind and seed: 15 traces a setting, each on a fresh server
 SETTINGS = {"default": "", "parallel-4": "--parallel 4", "cache-reuse-256": "--cache-reuse 256"}
 
 
@@ -120,7 +112,7 @@ SETTINGS = {"default": "", "parallel-4": "--parallel 4", "cache-reuse-256": "--c
 def test_llama_slot_exact_on_fresh_seeds_from_the_engines_settings(restartable, tmp_path, setting):
     ctx = int(restartable.settings.get("ctx_size") or 8192)
     mismatched, total = {}, 0
-    for kind in KINDS:
+    for kind in FRESH_KINDS:
         for seed in SEEDS:
             table, meta = generators.registry()[kind].run(FRESH_REQUESTS, seed=seed)
             trace = write_trace(table.slice(0, FRESH_REQUESTS), tmp_path / f"{kind}-{seed}.parquet", meta)
@@ -129,19 +121,11 @@ def test_llama_slot_exact_on_fresh_seeds_from_the_engines_settings(restartable, 
             common = ["--max-output-tokens", str(OUTPUT_TOKENS), "--fit-context", "truncate", "--no-report"]
             live = tmp_path / f"live-{kind}-{seed}"
             pace = ["--mode", "rate", "--rate", "1000", "--max-concurrency", "1"]
-            _kvbench("replay", trace, "--backend", "openai", "--url", info.url, *pace, *common, "--out", live)
+            kvbench_cli("replay", trace, "--backend", "openai", "--url", info.url, *pace, *common, "--out", live)
             pred = tmp_path / f"pred-{kind}-{seed}"
-            _kvbench("replay", trace, "--like", info.url, "--no-bound", *common, "--out", pred)
-            got = pq.read_table(live / "requests.parquet").column("cached_tokens").to_pylist()
-            want = pq.read_table(pred / "requests.parquet").column("hit_tokens").to_pylist()
-            total += len(got)
-            bad = [(i, w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g]
-            if bad or len(got) != len(want):
+            kvbench_cli("replay", trace, "--like", info.url, "--no-bound", *common, "--out", pred)
+            bad, n = cached_mismatches(live, pred)
+            total += n
+            if bad:
                 mismatched[kind, seed] = bad
     assert not mismatched, f"seeds {SEEDS}, {setting}: (request, predicted, measured) {mismatched} of {total}"
-
-
-def _kvbench(*args) -> None:
-    cmd = [shutil.which("kvbench") or "kvbench", *map(str, args)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr[-2000:]}"

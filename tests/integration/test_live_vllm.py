@@ -9,8 +9,6 @@ the sum of per-request cached_tokens, and cache_salt isolates tenants.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 
 import numpy as np
@@ -24,6 +22,7 @@ from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 
 from ..conftest import REPO
+from .conftest import FRESH_KINDS, FRESH_REQUESTS, cached_mismatches, fresh_seeds, kvbench_cli
 
 pytestmark = pytest.mark.engine
 N = 40  # requests per replay: enough to share prefixes, few enough for a 2-core CI machine
@@ -238,18 +237,8 @@ def test_engine_sim_predicts_the_small_cache_at_concurrency_4(small_vllm, traces
 # re-cut at the engine's block size (`kvbench trace rebase`) and replayed live and predicted alike: the same
 # --max-output-tokens and --fit-context truncate (the context: vLLM's max_model_len), the prediction set up by
 # `replay --like URL` (policy vllm, the engine's num_gpu_blocks), with the default pool and a forced small one.
-SEEDS = [int(s) for s in os.environ.get("KVBENCH_TEST_SEEDS", "").split(",") if s] or [
-    int(s) for s in np.random.SeedSequence().generate_state(3) % 100_000
-]
+SEEDS = fresh_seeds()
 print(f"test_live_vllm seeds: {','.join(map(str, SEEDS))}")
-KINDS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
-FRESH_REQUESTS = 12
-
-
-def _kvbench(*args) -> None:
-    cmd = [shutil.which("kvbench") or "kvbench", *map(str, args)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr[-2000:]}"
 
 
 def _exact_on_fresh_seeds(engine, tmp_path) -> None:
@@ -257,23 +246,22 @@ def _exact_on_fresh_seeds(engine, tmp_path) -> None:
     from kvbench.trace.files import write_trace
 
     mismatched, total = {}, 0
-    for kind in KINDS:
+    for kind in FRESH_KINDS:
         for seed in SEEDS:
             table, meta = generators.registry()[kind].run(FRESH_REQUESTS, seed=seed)
             src = write_trace(table.slice(0, FRESH_REQUESTS), tmp_path / f"{kind}-{seed}-src.parquet", meta)
             trace = tmp_path / f"{kind}-{seed}.parquet"
-            _kvbench("trace", "rebase", src, "--block-size", engine.block_size, "-o", trace)
+            kvbench_cli("trace", "rebase", src, "--block-size", engine.block_size, "-o", trace)
             common = ["--max-output-tokens", SMALL_OUTPUT_TOKENS, "--fit-context", "truncate", "--no-report"]
             pace = ["--mode", "rate", "--rate", "1000", "--max-concurrency", "1", "--reset-prefix-cache"]
             live_dir, pred_dir = tmp_path / f"live-{kind}-{seed}", tmp_path / f"pred-{kind}-{seed}"
-            _kvbench("replay", trace, "--backend", "openai", "--url", engine.url, "--no-send-lora", *pace, *common,
-                     "--out", live_dir)  # fmt: skip
-            _kvbench("replay", trace, "--like", engine.url, "--no-bound", "--share-lora-kv", *common, "--out", pred_dir)
-            got = pq.read_table(live_dir / "requests.parquet").column("cached_tokens").to_pylist()
-            want = pq.read_table(pred_dir / "requests.parquet").column("hit_tokens").to_pylist()
-            total += len(got)
-            bad = [(i, w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g]
-            if bad or len(got) != len(want):
+            kvbench_cli("replay", trace, "--backend", "openai", "--url", engine.url, "--no-send-lora", *pace, *common,
+                        "--out", live_dir)  # fmt: skip
+            like = ["--like", engine.url, "--no-bound", "--share-lora-kv"]
+            kvbench_cli("replay", trace, *like, *common, "--out", pred_dir)
+            bad, n = cached_mismatches(live_dir, pred_dir)
+            total += n
+            if bad:
                 mismatched[kind, seed] = bad
     assert not mismatched, f"seeds {SEEDS}: (request, predicted, measured) {mismatched} of {total}"
 

@@ -84,7 +84,8 @@ def test_an_offline_simulation_has_no_verdict(tmp_path):
 def test_a_live_run_faster_than_the_server_is_saturated_and_a_slow_one_is_not(fake_server, tmp_path):  # noqa: F811
     srv = fake_server(itl_ms=2.0)  # 16 tokens each: ~35 ms a request, one at a time below
     fast = {"url": srv.url, "mode": "rate", "rate": 500.0, "max_requests": 60}
-    _, summary = run_replay(CHAT, "openai", {**fast, "max_concurrency": 1}, out=tmp_path / "fast", report=False, limits=CAP16)
+    one_at_a_time = {**fast, "max_concurrency": 1}
+    _, summary = run_replay(CHAT, "openai", one_at_a_time, out=tmp_path / "fast", report=False, limits=CAP16)
     v = summary["points"][0]["saturation"]
     assert v["saturated"] is True and v["signal"] == "schedule lag + ttft_s"
     assert v["served_rps"] < v["offered_rps"] / 3

@@ -173,8 +173,9 @@ def _shared_prefixes(kind, attach, kids, flat, offsets, shared) -> tuple[np.ndar
     """The trace's shared prefixes: the nodes two or more distinct blocks follow by the end of the trace (a
     system prompt, a document, a task's context that sub-agents fork from). Returns, per request, the number of
     the one it branches off and of the deepest one its own new blocks make (-1 for none), and per number
-    [depth, number of the deepest shared prefix above it or -1]. The twin keeps each as one prefix, under the one above it, used as
-    often as in the trace: what is popular and how popular prefixes nest, not only how often they are hit."""
+    [depth, number of the deepest shared prefix above it or -1]. The twin keeps each as one prefix, under the
+    one above it, used as often as in the trace: what is popular and how popular prefixes nest, not only how
+    often they are hit."""
     out = np.full(kind.size, -1, dtype=np.int64)
     numbered: dict[int, int] = {}
     table: list[list[int]] = []

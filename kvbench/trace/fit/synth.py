@@ -149,10 +149,10 @@ class _Tree:
 
     def end_at(self, length: int, distance: float, slack: float, bands: int | None = BANDS) -> int | None:
         """A request not yet continued, still the latest holder of its last block, with a length within `bands`
-        length bands of `length` (any length for None) and a stack distance within `slack` of `distance`: the one off by the fewest octaves
-        of length plus octaves of distance (the nearest candidates in distance are more often shorter, since
-        shorter prompts are more common: choosing by distance alone would shorten what is shared); None if
-        there is none."""
+        length bands of `length` (any length for None) and a stack distance within `slack` of `distance`: the one
+        off by the fewest octaves of length plus octaves of distance (the nearest candidates in distance are more
+        often shorter, since shorter prompts are more common: choosing by distance alone would shorten what is
+        shared); None if there is none."""
         best, best_key = None, None
         want_length, want_distance = np.log2(length), np.log2(distance + 1)
         centre = length_band(length)

@@ -89,7 +89,8 @@ def test_truncate_keeps_leading_whole_blocks_and_skip_clears_references(chat):
 
 def test_output_cap_reaches_the_prediction(chat, tmp_path):
     capped = {"policy": "llama-slot", "capacity": "128", "bound": False}
-    _, one = run_replay(CHAT, "sim", capped, out=tmp_path / "a", report=False, limits=RequestLimits(max_output_tokens=4))
+    cap = RequestLimits(max_output_tokens=4)
+    _, one = run_replay(CHAT, "sim", capped, out=tmp_path / "a", report=False, limits=cap)
     _, full = run_replay(CHAT, "sim", capped, out=tmp_path / "b", report=False)
     # a slot keeps the tokens it generated: 4 of them or the trace's hundreds change which slot a prompt takes
     assert one["limits"]["max_output_tokens"] == 4
