@@ -94,6 +94,16 @@ class Design:
         self.y = np.array([p.ttft_s for p in prefill] + [p.step_s for p in decode], dtype=np.float64)
         self.n_prefill = len(prefill)
         self.chunks = [len(prefill_chunks(p.new_tokens, p.cached_tokens, max_num_batched_tokens)) for p in prefill]
+        # A server that never runs two sequences in one step (llama-server --parallel 1) gives every step one
+        # sequence: s_per_seq is then step_overhead_s under another name, and no plan can tell them apart. It is
+        # fixed at 0 (its cost stays in step_overhead_s, which is what such a server pays per step), not an error.
+        seqs, steps = self.x[:, TERMS.index("s_per_seq")], self.x[:, TERMS.index("step_overhead_s")]
+        self.folded = ("s_per_seq",) if len(self.y) and len(decode) and np.array_equal(seqs, steps) else ()
+
+    @property
+    def free(self) -> np.ndarray:
+        """bool per term: fitted (True) or fixed at 0 (`folded`)."""
+        return np.array([t not in self.folded for t in TERMS])
 
     @classmethod
     def of(cls, result: Result) -> Design:
@@ -121,14 +131,15 @@ class Design:
             raise KvbenchError(f"the fit needs both prefill and decode points; no {missing} point was measured")
         # relative weights and unit columns, as the fit sees them: a term is unidentified when a direction in
         # which the modeled times do not change (a near-null singular vector) moves it
-        scaled = self.x / self.y[:, None]
+        terms = [t for t in TERMS if t not in self.folded]
+        scaled = self.x[:, self.free] / self.y[:, None]
         norms = np.linalg.norm(scaled, axis=0)
-        unseen = [t for t, n in zip(TERMS, norms, strict=True) if n == 0]
+        unseen = [t for t, n in zip(terms, norms, strict=True) if n == 0]
         if not unseen:
             _, s, vt = np.linalg.svd(scaled / norms, full_matrices=True)
-            s = np.concatenate([s, np.zeros(len(TERMS) - len(s))])
+            s = np.concatenate([s, np.zeros(len(terms) - len(s))])
             null = vt[s < 1e-9 * s[0]]
-            unseen = [t for j, t in enumerate(TERMS) if null.size and np.abs(null[:, j]).max() > 0.1]
+            unseen = [t for j, t in enumerate(terms) if null.size and np.abs(null[:, j]).max() > 0.1]
         if unseen:
             raise KvbenchError(
                 f"the measured points cannot tell apart {', '.join(unseen)} ({len(self.y)} points); measure "

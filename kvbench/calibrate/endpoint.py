@@ -12,6 +12,10 @@ import numpy as np
 from kvbench.errors import KvbenchError
 
 RESERVED_TOKENS = 16  # ids below this are left alone: engines' special tokens live there (as kvbench.live.prompts)
+# A one-token answer can carry no text: llama-server holds back a token that ends inside a UTF-8 character (a
+# byte-fallback token of the tiny model's vocabulary), and with max_tokens=1 nothing follows it, so the stream
+# has no content event to time. Such a TTFT sample is drawn again with fresh prompt tokens, up to this many times.
+EMPTY_TEXT_TRIES = 5
 
 
 class Prompts:
@@ -69,7 +73,9 @@ class Meter:
             body["messages"] = [{"role": "user", "content": words(tokens)}]
         return orjson.dumps(body)
 
-    async def send(self, tokens: list[int], max_tokens: int):
+    async def send(self, tokens: list[int], max_tokens: int, allow_empty: bool = False):
+        """The request's Outcome; an error unless it streamed text, or, with `allow_empty`, an answer that
+        generated its tokens without text (see `EMPTY_TEXT_TRIES`)."""
         from kvbench.live.pacing import Outcome
 
         o = Outcome(row=0)
@@ -77,6 +83,8 @@ class Meter:
         await self.client.send(self.payload(tokens, max_tokens), o)
         if o.status != "ok":
             raise KvbenchError(_request_error(o.error or o.status, len(tokens)))
+        if not o.chunk_s and allow_empty and o.completion_tokens:
+            return o
         if not o.chunk_s:
             raise KvbenchError(
                 f"the server streamed no output token for a {len(tokens)}-token prompt; is {self.endpoint!r} the "

@@ -72,6 +72,7 @@ class Calibrated:
     n_prefill: int
     forced: bool = False
     warnings: list[str] = field(default_factory=list)  # why the fit is poor, when forced
+    folded: tuple[str, ...] = ()  # terms fixed at 0 because the server's steps cannot show them (Design.folded)
 
     def calibration(self) -> dict:
         return {t: self.terms[t] for t in TERMS}
@@ -87,6 +88,7 @@ class Calibrated:
             "points_prefill": self.n_prefill,
             "points_decode": len(self.residual) - self.n_prefill,
             "forced": self.forced,
+            **({"folded": list(self.folded)} if self.folded else {}),
         }
 
 
@@ -95,14 +97,17 @@ def fit_terms(result: Result) -> Calibrated:
     design = Design.of(result)
     design.identifiability()
     x, y, prefill = design.x, design.y, design.is_prefill
-    beta = relative_nnls(x, y)
+    beta = np.zeros(x.shape[1])
+    beta[design.free] = relative_nnls(x[:, design.free], y)  # a folded term stays 0 (Design.folded)
+    stderr = np.zeros(x.shape[1])
+    stderr[design.free] = standard_errors(x[:, design.free], y, beta[design.free])
     modeled = x @ beta
     contributions = (x * beta).sum(axis=0)
     total = float(modeled.sum())
     residual = (modeled - y) / y
     return Calibrated(
         terms={t: float(b) for t, b in zip(TERMS, beta, strict=True)},
-        stderr={t: float(e) for t, e in zip(TERMS, standard_errors(x, y, beta), strict=True)},
+        stderr={t: float(e) for t, e in zip(TERMS, stderr, strict=True)},
         share={t: float(c / total) if total > 0 else 0.0 for t, c in zip(TERMS, contributions, strict=True)},
         r2=r_squared(y, modeled),
         r2_prefill=r_squared(y[prefill], modeled[prefill]),
@@ -114,6 +119,7 @@ def fit_terms(result: Result) -> Calibrated:
         residual=[float(v) for v in residual],
         labels=design.labels(),
         n_prefill=design.n_prefill,
+        folded=design.folded,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from kvbench.calibrate.endpoint import (
+    EMPTY_TEXT_TRIES,
     Meter,
     Prompts,
     base_url,
@@ -24,6 +25,7 @@ from kvbench.calibrate.endpoint import (
     shown,
 )
 from kvbench.calibrate.plan import DecodePoint, Plan, PrefillPoint, Progress, Result
+from kvbench.calibrate.servers import llama_facts, max_decode_batch, request_context, step_budget
 from kvbench.errors import KvbenchError
 
 MIN_WINDOW_STEPS = 8  # decode steps a batch must run together for its step time to count
@@ -36,9 +38,15 @@ async def _prefill_sample(meter: Meter, cached: int, new: int) -> tuple[float, i
     after a `cached`-token context, which is sent just before so that the server caches it."""
     context = meter.prompts(cached) if cached else []
     if cached:
-        await meter.send(context, 1)  # caches the context's full blocks
-    o = await meter.send(context + meter.prompts(new), 1)
-    return o.first_chunk_s - o.sent_s, o.cached_tokens
+        await meter.send(context, 1, allow_empty=True)  # caches the context (its answer's text is not timed)
+    for _ in range(EMPTY_TEXT_TRIES):
+        o = await meter.send(context + meter.prompts(new), 1, allow_empty=True)
+        if o.chunk_s:  # (an answer without text has no first-token time: new tokens are drawn, EMPTY_TEXT_TRIES)
+            return o.first_chunk_s - o.sent_s, o.cached_tokens
+    raise KvbenchError(
+        f"{EMPTY_TEXT_TRIES} answers in a row to {cached + new}-token prompts generated a token without streaming "
+        "any text, so their first token cannot be timed; check the server's log"
+    )
 
 
 def _prefill_points(samples: dict, reported: dict) -> list[PrefillPoint]:
@@ -188,17 +196,28 @@ async def measure_async(
     t0 = time.perf_counter()
     async with OpenAIClient(base, endpoint=endpoint, timeout_s=timeout_s, api_key=api_key, origin=t0) as client:
         model, max_len = await model_info(client.session, base, model)
-        plan = plan.bounded(max_len)
+        llama = await llama_facts(client.session, base)
+        facts = llama or {}
+        max_len = request_context(max_len, facts)
+        asked = plan.batch_sizes
+        plan = plan.bounded(max_len, max_decode_batch(facts))
+        plan.max_num_batched_tokens = step_budget(plan.max_num_batched_tokens, facts)
+        dropped = sorted(set(asked) - set(plan.batch_sizes))
         if plan.seed is None:
             plan.seed = secrets.randbits(62)
         if on_plan:
             on_plan(plan)
         meter = Meter(client, model, endpoint, Prompts(plan.vocab, plan.seed))
         for _ in range(WARMUP_REQUESTS):  # first requests pay one-off costs (allocations, lazy imports)
-            await meter.send(meter.prompts(min(256, plan.max_prompt_tokens)), 4)
+            await meter.send(meter.prompts(min(256, plan.max_prompt_tokens)), 4, allow_empty=True)
         result = Result(host_port(base), model, endpoint, max_len, plan)
-        result.server = await server_facts(client.session, base)
+        result.server = {**await server_facts(client.session, base), **facts}
         result.server["prefix_cache_reset"] = await reset_prefix_cache(client.session, base)
+        if dropped:
+            result.warnings.append(
+                f"decode batches of {', '.join(map(str, dropped))} sequences left out: the server decodes at most "
+                f"{max_decode_batch(facts)} together (llama-server's slots, --parallel)"
+            )
         await _measure_points(meter, plan, progress, result)
     result.seconds = time.perf_counter() - t0
     return result

@@ -46,15 +46,18 @@ class Plan:
     repeats: int = DEFAULT_REPEATS
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT
     vocab: int = DEFAULT_VOCAB
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # None: the server's own (llama-server's n_batch, vLLM's CPU default), resolved before measuring (servers.py)
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     seed: int | None = None  # None: a fresh seed each run (recorded), so no run repeats an earlier one's prompts
 
     def __post_init__(self):
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise KvbenchError(f"--max-num-batched-tokens must be ≥ 1, got {self.max_num_batched_tokens}")
 
-    def bounded(self, max_model_len: int | None) -> Plan:
-        """The plan with every prompt (and its output) inside `max_prompt_tokens` and the server's context."""
+    def bounded(self, max_model_len: int | None, max_batch: int | None = None) -> Plan:
+        """The plan with every prompt (and its output) inside `max_prompt_tokens` and the server's context, and
+        every decode batch at most `max_batch` sequences (llama-server's slots: a larger batch would queue and
+        never decode as one; None: no bound)."""
         cap = self.max_prompt_tokens
         if max_model_len:
             cap = min(cap, max_model_len - self.decode_tokens - 1)
@@ -67,8 +70,12 @@ class Plan:
         contexts = tuple(p for p in self.context_lengths if p + min(self.context_new_tokens, default=0) <= cap)
         news = tuple(n for n in self.context_new_tokens if n <= cap)
         decode = tuple(sorted({min(n, cap) for n in self.decode_contexts}))
+        batches = self.batch_sizes
+        if max_batch:
+            batches = tuple(b for b in batches if b <= max_batch) or (max_batch,)
         return dataclasses.replace(
             self,
+            batch_sizes=batches,
             prompt_lengths=lengths,
             context_lengths=contexts,
             context_new_tokens=news,

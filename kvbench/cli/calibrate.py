@@ -85,10 +85,10 @@ def _csv(default) -> str:
 @click.option(
     "--max-num-batched-tokens",
     type=click.IntRange(min=1),
-    default=C.DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    show_default=True,
-    help="the server's step budget in tokens (vLLM's --max-num-batched-tokens; its CPU default is 2048, GPU 8192): "
-    "a longer prefill runs as chunks of this many tokens, one step each, and is modeled so; recorded in the file",
+    default=None,
+    help="the server's step budget in tokens: a longer prefill runs as chunks of this many tokens, one step each, "
+    "and is modeled so; recorded in the file [default: llama-server's n_batch (-b, 2048 unless its recorded "
+    "arguments say otherwise); otherwise vLLM's CPU default 2048 (--max-num-batched-tokens; GPU: 8192)]",
 )
 @click.option(
     "--min-r2",
@@ -235,6 +235,10 @@ def calibrate(
       kvbench engine up vllm-cpu
       kvbench calibrate --url http://127.0.0.1:8011 -o calib.toml
       kvbench replay TRACE --backend engine-sim --hardware cpu --model kvbench-tiny --calibration calib.toml
+
+    llama.cpp's llama-server (e.g. `kvbench engine up llama-cpp`, http://127.0.0.1:8012) is read from its /props
+    and /slots: prompts stay inside a slot's context, decode batches inside its slots (--parallel), and prefills
+    are chunked at its n_batch.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -337,6 +341,14 @@ def _print_next(result, path) -> None:
     server = result.server
     pool = f" --hbm-capacity {server['num_gpu_blocks']}" if server.get("num_gpu_blocks") else ""
     click.echo(f"wrote {path}")
+    if server.get("engine") == "llama.cpp":  # its slots are the sequences per step, n_batch the tokens per step
+        click.echo(
+            f"next: kvbench fidelity TRACE --url http://{result.url} --calibration {path}  (or kvbench replay "
+            f"TRACE --backend engine-sim --policy llama-slot --max-num-seqs {server.get('slots')} "
+            f"--max-num-batched-tokens {result.plan.max_num_batched_tokens} --calibration {path}, with --slots and "
+            "--hbm-capacity for the server's context)"
+        )
+        return
     if result.model == "kvbench-tiny":  # the local engines' tiny model: the `cpu` hardware preset stands for it
         what, limits = "--hardware cpu --model kvbench-tiny", "vLLM's CPU defaults: 128 / 2048"
     else:

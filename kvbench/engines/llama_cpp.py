@@ -26,7 +26,25 @@ DEFAULT_PORT = 8012
 MODEL_VERSION = 1  # bump when _tiny_gguf.py changes what it writes
 WORDS = 4096
 
-DEFAULTS = {"port": DEFAULT_PORT, "ctx_size": 8192, "engine_args": ""}
+# cpus: None (not pinned) or a CPU list as taskset(1) takes it ("1", "0,2", "2-3"), normalised to ascending ids
+DEFAULTS = {"port": DEFAULT_PORT, "ctx_size": 8192, "engine_args": "", "cpus": None}
+
+
+def cpu_list(text: str) -> list[int]:
+    """The CPU ids of a taskset-style list ("1", "0,2", "2-3"), ascending; an error names what is wrong."""
+    ids: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise base.EngineError(f"{NAME}: --cpus {text!r}: give CPU ids as taskset does, e.g. 1 or 0,2 or 2-3")
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(ids)
+    if not ids <= available:
+        raise base.EngineError(
+            f"{NAME}: --cpus {text!r}: CPU(s) {sorted(ids - available)} are not available here "
+            f"(this process may run on {sorted(available)})"
+        )
+    return sorted(ids)
 
 
 def settings(**opts) -> dict:
@@ -37,6 +55,8 @@ def settings(**opts) -> dict:
     s["port"], s["ctx_size"] = int(s["port"]), int(s["ctx_size"])
     if s["ctx_size"] < 1:
         raise base.EngineError(f"{NAME}: --ctx-size must be positive, got {s['ctx_size']}")
+    if s["cpus"] is not None:
+        s["cpus"] = ",".join(map(str, cpu_list(s["cpus"])))
     return s
 
 
@@ -130,9 +150,16 @@ def command(s: dict) -> tuple[list[str], dict, str, int | None]:
         "--offline",
         "--seed",
         "0",
-        *shlex.split(s["engine_args"] or ""),
     ]
-    return argv, {}, SERVED_MODEL, None
+    extra = shlex.split(s["engine_args"] or "")
+    if s.get("cpus"):
+        # One compute thread per CPU it may run on: llama.cpp's threads spin while they wait for each other, so
+        # more threads than CPUs would take turns on a core instead of working (unless --engine-args sets them).
+        if not {"-t", "--threads"} & {a.split("=", 1)[0] for a in extra}:
+            argv += ["--threads", str(len(s["cpus"].split(",")))]
+        # taskset execs the server in place: the recorded pid and process group stay the server's own
+        argv = ["taskset", "--cpu-list", s["cpus"], *argv]
+    return [*argv, *extra], {}, SERVED_MODEL, None
 
 
 def hint() -> str:
