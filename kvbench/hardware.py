@@ -38,6 +38,9 @@ SSD_BW = 7e9
 LINK_LATENCY_S = 1e-6
 NET_BW = 50e9
 NET_LATENCY_S = 5e-6
+# Output tile shapes (rows × columns) of the tensor-core GEMM kernels cuBLAS and CUTLASS ship for Ampere and Hopper;
+# the operator model (backends/enginesim/operators.py) takes the GEMM to run on whichever wastes least.
+GEMM_TILES = ((64, 64), (64, 128), (128, 128), (128, 256), (256, 128))
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,19 @@ class Hardware:
     link_latency_s: float = LINK_LATENCY_S  # one hop of a collective on the device ↔ device link, seconds
     net_bw: float = NET_BW  # this device's network bandwidth to other servers, one direction, bytes/s
     net_latency_s: float = NET_LATENCY_S  # one hop across the network, seconds
+    # Kernel times measured on this device (docs/gpu-truth.md; 0 = not measured: the plain roofline). With them,
+    # engine-sim costs a dense model's step kernel by kernel (backends/enginesim/operators.py).
+    sms: int = 0  # streaming multiprocessors: GEMM tiles run in waves of one per SM
+    gemm_floor_s: float = 0.0  # seconds any GEMM kernel costs on top of its work (launch, prologue, epilogue)
+    gemm_mfu: float = 0.0  # share of `flops` a GEMM's whole tiles achieve
+    gemm_mbu: float = 0.0  # share of `hbm_bw` a memory-bound GEMM achieves
+    eltwise_floor_s: float = 0.0  # seconds any memory-bound kernel (norm, rotary, activation, add) costs
+    norm_mbu: float = 0.0  # share of `hbm_bw` an RMS norm streams at
+    rope_mbu: float = 0.0  # ... rotary embedding
+    act_mbu: float = 0.0  # ... the gated activation
+    add_mbu: float = 0.0  # ... the residual add
+    collective_latency_s: float = 0.0  # fixed seconds of one all-reduce on top of its hops and bytes
+    allreduce_bw: float = 0.0  # all-reduce bus bandwidth, bytes/s: a ring's 2(n − 1)/n of the bytes move at this
 
     def __post_init__(self):
         for key in ("hbm_bytes", "hbm_bw", "flops", "pcie_bw", "dram_bw", "ssd_bw", "net_bw"):
@@ -68,6 +84,12 @@ class Hardware:
             raise KvbenchError(
                 f"hardware {self.name!r}: devices_per_node must be a whole number ≥ 1, got {self.devices_per_node!r}"
             )
+
+    @property
+    def has_operator_times(self) -> bool:
+        """Whether kernel times were measured on this device (the fields above are all set)."""
+        keys = ("sms", "gemm_mfu", "gemm_mbu", "norm_mbu", "rope_mbu", "act_mbu", "add_mbu", "allreduce_bw")
+        return all(getattr(self, k) > 0 for k in keys)
 
     def flops_for(self, dtype: str) -> float:
         """FLOP/s of the matrix units for operands of `dtype` (fp8 where supported; everything else runs as bf16:
@@ -90,18 +112,31 @@ class Hardware:
         return self.nvlink_bw or self.pcie_bw
 
 
+# Kernel terms of a GH100 (H100/H200 SXM) in a DGX/HGX server, fitted by `python benchmarks/gpu_truth.py --fit` on
+# operator times measured on real H100s and published with the Vidur simulator (microsoft/vidur, data/profiling,
+# MIT licence): every linear-layer kernel of Llama-2-7B and -70B at 1–4,096 tokens and TP 1–8, and NCCL
+# all-reduce of 2 KB–64 MB on 2, 4 and 8 GPUs of a DGX H100. docs/gpu-truth.md has the fit's errors.
+GH100_KERNELS = dict(
+    sms=132, gemm_floor_s=6.0e-6, gemm_mfu=0.706, gemm_mbu=0.86, eltwise_floor_s=1.36e-6, norm_mbu=0.393,
+    rope_mbu=0.497, act_mbu=0.564, add_mbu=1.0, collective_latency_s=18.3e-6, link_latency_s=0.79e-6,
+    allreduce_bw=328.5e9,
+)
+
 # Vendor datasheets; Tensor Core numbers there are "with sparsity" and halved here to the dense rate.
 HARDWARE = {
     h.name: h
     for h in (
         # NVIDIA H100 Tensor Core GPU datasheet, SXM5 80 GB: HBM3 3.35 TB/s; BF16 1,979 / FP8 3,958 TFLOPS sparse;
-        # NVLink 900 GB/s; PCIe Gen5 128 GB/s (both directions)
+        # NVLink 900 GB/s; PCIe Gen5 128 GB/s (both directions); 132 SMs. Kernel times: GH100_KERNELS.
         Hardware(
-            "h100", hbm_bytes=80e9, hbm_bw=3.35e12, flops=989.5e12, flops_fp8=1979e12, pcie_bw=64e9, nvlink_bw=450e9
+            "h100", hbm_bytes=80e9, hbm_bw=3.35e12, flops=989.5e12, flops_fp8=1979e12, pcie_bw=64e9, nvlink_bw=450e9,
+            **GH100_KERNELS,
         ),
-        # NVIDIA H200 datasheet, SXM 141 GB: HBM3e 4.8 TB/s; same GH100 compute, NVLink and PCIe as the H100
+        # NVIDIA H200 datasheet, SXM 141 GB: HBM3e 4.8 TB/s; same GH100 compute, NVLink and PCIe as the H100, so the
+        # same kernel terms (their bandwidth shares taken to hold at the faster memory: an assumption, unmeasured)
         Hardware(
-            "h200", hbm_bytes=141e9, hbm_bw=4.8e12, flops=989.5e12, flops_fp8=1979e12, pcie_bw=64e9, nvlink_bw=450e9
+            "h200", hbm_bytes=141e9, hbm_bw=4.8e12, flops=989.5e12, flops_fp8=1979e12, pcie_bw=64e9, nvlink_bw=450e9,
+            **GH100_KERNELS,
         ),
         # NVIDIA HGX B200 datasheet, per GPU: 180 GB HBM3e at 7.7 TB/s; BF16 4.5 / FP8 9 PFLOPS sparse;
         # NVLink 5 1.8 TB/s; PCIe Gen5 128 GB/s (both directions)

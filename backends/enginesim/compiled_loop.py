@@ -40,8 +40,12 @@ WIN_BEGUN, WIN_PER, WIN_END, SWAP_BYTES, NOW = range(5)
 INST_FLOATS = 5
 # the latency model's constants `lat[...]` (roofline.LatencyModel, or its Calibration's terms)
 (CALIBRATED, LIN_FPT, LIN_FS, ATTN_FPP, ATTN_FS, WEIGHT_BYTES, TP, ACTIVE, BYTES_S, KV_BYTES, KV_SHARDS, COMM_BPT,
- PEER_BW, C_STEP, C_SEQ, C_TOKEN, C_PAIR, C_KV, KV_BYTES_BLOCK, PCIE_BW) = range(20)  # fmt: skip
-LAT_FIELDS = 20
+ PEER_BW, C_STEP, C_SEQ, C_TOKEN, C_PAIR, C_KV, KV_BYTES_BLOCK, PCIE_BW,
+ OPS, ATTN_FLOOR, COMM_FIXED, COMM_SPT, LM_AT) = range(25)  # fmt: skip
+LAT_FIELDS = 25
+# With OPS (operators.py's kernel-by-kernel step), lat[LAT_FIELDS + t] holds the linear kernels' seconds at t
+# tokens, and lat[lat[LM_AT] + s] the logits GEMM's at s sequences: tables compiled_run fills from the Python
+# model itself, so both loops read the same floats.
 # the scheduler and loop settings `cfg[...]`
 BS, MAX_SEQS, MAX_BATCHED, PREEMPT_MODE, PROTECT_AFTER, ROUTER, FAST_FORWARD = range(7)
 CFG_FIELDS = 7
@@ -56,6 +60,11 @@ def _cost(lat, tokens, pairs, kv_read, kv_written, seqs):
     """roofline.LatencyModel._cost(...).total"""
     if tokens == 0:
         return 0.0
+    if lat[OPS]:  # LatencyModel._operator_cost
+        kv = (kv_read + kv_written) * (lat[KV_BYTES] / lat[KV_SHARDS]) / lat[BYTES_S]
+        attn = pairs * lat[ATTN_FPP] / lat[ATTN_FS]
+        kernels = lat[LAT_FIELDS + tokens] + lat[int(lat[LM_AT]) + seqs] + (lat[ATTN_FLOOR] + (attn if attn > kv else kv))
+        return kernels + (lat[COMM_FIXED] + tokens * lat[COMM_SPT])
     comm = tokens * lat[COMM_BPT] / lat[PEER_BW] if lat[TP] > 1 else 0.0
     if lat[CALIBRATED]:
         step = lat[C_STEP] + lat[C_SEQ] * seqs + lat[C_TOKEN] * tokens + lat[C_PAIR] * pairs + lat[C_KV] * kv_read

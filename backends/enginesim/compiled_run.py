@@ -26,6 +26,9 @@ SWITCH = "KVBENCH_ENGINE_LOOP"
 # Below this many requests the Python loop (~2,000 requests/s) is done before numba would have compiled the loop
 # (~45 s on one core): such a replay runs in Python while the AOT module builds in the background for later runs.
 JIT_WORTH_REQUESTS = 50_000
+# The kernel-by-kernel step's tables (compiled_loop.OPS) hold one entry per token count a step can reach; past
+# this many (a --max-num-batched-tokens in the millions) filling them would take longer than the replay saves.
+OPS_TABLE_MAX = 1 << 17
 
 
 def applies(settings: dict, pol, scenarios, latency, router: str, tiers: TierStack, n_requests: int) -> bool:
@@ -47,14 +50,25 @@ def _covers(settings: dict, pol, scenarios, latency, router: str, tiers: TierSta
         and not settings["closed_loop"]
         and not settings["max_concurrency"]
         and type(latency) is LatencyModel
+        and (latency._ops is None or _step_cap(settings) <= OPS_TABLE_MAX)
         and router in L.ROUTER_CODES
         and cluster.ROUTERS[router] is cluster.BUILTIN_ROUTERS.get(router)  # (not replaced by a plugin's)
     )
 
 
-def _latency_constants(latency: LatencyModel, kv_bytes_block: float, pcie_bw: float) -> np.ndarray:
-    lat = np.zeros(L.LAT_FIELDS)
+def _step_cap(settings: dict) -> int:
+    """The most tokens one step can run: a full token budget plus every running sequence's decode."""
+    return settings["max_num_batched_tokens"] + settings["max_num_seqs"]
+
+
+def _latency_constants(latency: LatencyModel, kv_bytes_block: float, pcie_bw: float, sched) -> np.ndarray:
     cal, terms = latency.calibration, latency.step_terms()
+    ops, tables = terms["ops"], []
+    if ops is not None:
+        tokens, seqs = sched.max_num_batched_tokens + sched.max_num_seqs, sched.max_num_seqs
+        tables = [ops.linear_s(t) for t in range(tokens + 1)] + [ops.lm_head_s(s) for s in range(seqs + 1)]
+    lat = np.zeros(L.LAT_FIELDS + len(tables))
+    lat[L.LAT_FIELDS :] = tables
     values = {
         L.CALIBRATED: cal is not None,
         L.LIN_FPT: terms["linear_flops_per_token"],
@@ -72,6 +86,14 @@ def _latency_constants(latency: LatencyModel, kv_bytes_block: float, pcie_bw: fl
         L.KV_BYTES_BLOCK: kv_bytes_block,
         L.PCIE_BW: pcie_bw,
     }
+    if ops is not None:
+        values |= {
+            L.OPS: 1,
+            L.ATTN_FLOOR: terms["attn_floor_s"],
+            L.COMM_FIXED: terms["comm_fixed_s"],
+            L.COMM_SPT: terms["comm_s_per_token"],
+            L.LM_AT: L.LAT_FIELDS + sched.max_num_batched_tokens + sched.max_num_seqs + 1,
+        }
     if cal is not None:
         values |= {
             L.C_STEP: cal.step_overhead_s,
@@ -142,7 +164,7 @@ def run(prep, trace, n_instances: int, pool_blocks: int, sched, latency: Latency
     span = float(arrival.max() - arrival.min()) if n else 0.0
     sample_every = max(span, 1e-3) / cluster.TIMELINE_POINTS
     lifetimes, lifetime_of, *samples = L.run_cluster(
-        *pool, rq, rqf, due, order, fixed, ins, insf, *batch, _latency_constants(latency, kv_bytes_block, pcie_bw), cfg,
+        *pool, rq, rqf, due, order, fixed, ins, insf, *batch, _latency_constants(latency, kv_bytes_block, pcie_bw, sched), cfg,
         pool_blocks, sample_every,
     )  # fmt: skip
     instances = _instances(ins, insf, pool, lifetimes, lifetime_of, latency, pool_blocks, bs, sched, pcie_bw)

@@ -53,6 +53,8 @@ class ParallelLatencyModel(LatencyModel):
         from kvbench.backends.enginesim.parallel import check_layout  # (parallel imports this module)
 
         check_layout(self.model, self.tp, self.pp, self.ep, self.dp_attention, self.option_prefix)
+        if (self.pp, self.ep, self.dp_attention) != (1, 1, 1):  # the kernel-by-kernel model is plain TP's only
+            object.__setattr__(self, "_ops", None)
         m, tp, pp, dp = self.model, self.tp, self.pp, self.dp_attention
         split = weight_split(m)
         wb = KV_DTYPE_BYTES[self.weight_dtype]
@@ -190,7 +192,7 @@ class ParallelLatencyModel(LatencyModel):
     def _cost(self, tokens, pairs, kv_read, kv_written, seqs) -> StepCost:
         if tokens == 0:
             return StepCost(0.0, 0.0, 0.0)
-        if self.calibration is not None:  # refused by parallel.resolve; kept consistent for direct callers
+        if self.calibration is not None or self._ops is not None:  # (a calibration is refused by parallel.resolve)
             return super()._cost(tokens, pairs, kv_read, kv_written, seqs)
         m = 1 if self.pp == 1 else max(1, min(self._m, seqs))
         compute, memory, coll = self._stage(tokens / m, pairs / m, (kv_read + kv_written) / m)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from kvbench.backends.enginesim import operators
 from kvbench.cache.capacity import KV_DTYPE_BYTES, ModelGeometry
 from kvbench.errors import KvbenchError
 from kvbench.hardware import Hardware
@@ -165,7 +166,14 @@ class LatencyModel:
             # two all-reduces of the hidden state per layer (after attention and after the MLP); a ring moves
             # 2(tp−1)/tp of the payload through each device's link
             "_comm_bytes_per_token": 2 * m.layers * m.hidden * ACT_BYTES * 2 * (tp - 1) / tp,
+            # kernel by kernel where this device's kernels were measured (operators.py), else None: the roofline
+            "_ops": None,
         }
+        if self.calibration is None and operators.applies(m, self.hw, self.weight_dtype):
+            ops = operators.OperatorModel(m, self.hw, tp)
+            fixed, per_token = ops.comm_terms()
+            derived |= {"_ops": ops, "_attn_floor_s": m.layers * self.hw.eltwise_floor_s,
+                        "_comm_fixed_s": fixed, "_comm_s_per_token": per_token}  # fmt: skip
         for key, value in derived.items():
             object.__setattr__(self, key, value)
 
@@ -244,6 +252,8 @@ class LatencyModel:
         # cached tokens a step's attention reads and new tokens whose K and V it stores; seqs: sequences in the step.
         if tokens == 0:
             return StepCost(0.0, 0.0, 0.0)
+        if self._ops is not None:
+            return self._operator_cost(tokens, pairs, kv_read, kv_written, seqs)
         comm = tokens * self._comm_bytes_per_token / self.hw.peer_bw if self.tp > 1 else 0.0
         if self.calibration is not None:  # measured terms, summed (the class says why)
             return StepCost(self.calibration.step_s(seqs, tokens, pairs, kv_read), 0.0, comm)
@@ -254,6 +264,16 @@ class LatencyModel:
         weights = self._weights_read(tokens) / self._bytes_s
         kv = (kv_read + kv_written) * (self._kv_bytes / self._kv_shards) / self._bytes_s
         return StepCost(compute, weights + kv, comm)
+
+    def _operator_cost(self, tokens: int, pairs: float, kv_read: int, kv_written: int, seqs: int) -> StepCost:
+        """The step kernel by kernel (operators.py): every layer's linear kernels at `tokens`, the logits GEMM over
+        the step's sequences, attention's roofline (the measured files have no attention kernel) plus one kernel
+        floor per layer, and the all-reduces. All of it is on the step's critical path, so `compute_s` holds
+        the sum and `memory_s` is 0. compiled_loop._cost computes the same floats in the same order."""
+        kv = (kv_read + kv_written) * (self._kv_bytes / self._kv_shards) / self._bytes_s
+        attn = pairs * self._attn_flops_per_pair / self._attn_flops_s
+        kernels = self._ops.linear_s(tokens) + self._ops.lm_head_s(seqs) + (self._attn_floor_s + max(attn, kv))
+        return StepCost(kernels, 0.0, self._comm_fixed_s + tokens * self._comm_s_per_token)
 
     def _weights_read(self, tokens: int) -> float:
         """Weight bytes one device reads in a step of `tokens` tokens. Dense: all of them. MoE: each token routes

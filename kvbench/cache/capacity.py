@@ -32,6 +32,8 @@ class ModelGeometry:
     hidden: int = 0  # residual width: the size of the activations tensor parallelism all-reduces
     heads: int = 0  # query heads
     attn_head_dim: int = 0  # width each query head's QK and PV products run over; 0 → head_dim
+    intermediate: int = 0  # MLP width (config.json intermediate_size); 0 → derived from params where needed
+    vocab: int = 0  # vocabulary size: the logits GEMM's width; 0 → unknown
 
     def __post_init__(self):
         for key in ("layers", "kv_heads", "head_dim"):
@@ -50,7 +52,7 @@ class ModelGeometry:
         return self.layers * per_layer * KV_DTYPE_BYTES[kv_dtype]
 
 
-# Published configs: layers, heads, widths from each model's config.json on its Hugging Face page. Dense parameter
+# Published configs: layers, heads, widths (intermediate_size, vocab_size) from each model's config.json on its Hugging Face page. Dense parameter
 # counts are computed from that config.json (embeddings + layers + final norm, untied lm_head) and agree with the
 # model cards: Llama 3/3.1 "8B/70B/405B" (8.03B, 70.55B, 405.85B in the safetensors index), Qwen2.5 7.61B and
 # 72.7B, Qwen3 8.2B and 32.8B, Mistral-7B-v0.3 7.25B.
@@ -58,21 +60,28 @@ MODELS = {
     m.name: m
     for m in (
         # meta-llama/Meta-Llama-3-8B
-        ModelGeometry("llama3-8b", layers=32, kv_heads=8, head_dim=128, params=8_030_261_248, hidden=4096, heads=32),
+        ModelGeometry("llama3-8b", layers=32, kv_heads=8, head_dim=128, params=8_030_261_248, hidden=4096, heads=32,
+                      intermediate=14336, vocab=128256),
         # meta-llama/Meta-Llama-3-70B
-        ModelGeometry("llama3-70b", layers=80, kv_heads=8, head_dim=128, params=70_553_706_496, hidden=8192, heads=64),
+        ModelGeometry("llama3-70b", layers=80, kv_heads=8, head_dim=128, params=70_553_706_496, hidden=8192, heads=64,
+                      intermediate=28672, vocab=128256),
         # meta-llama/Llama-3.1-405B
         ModelGeometry(
-            "llama3-405b", layers=126, kv_heads=8, head_dim=128, params=405_853_388_800, hidden=16384, heads=128
+            "llama3-405b", layers=126, kv_heads=8, head_dim=128, params=405_853_388_800, hidden=16384, heads=128,
+            intermediate=53248, vocab=128256,
         ),
         # Qwen/Qwen2.5-7B (q/k/v biases counted)
-        ModelGeometry("qwen2.5-7b", layers=28, kv_heads=4, head_dim=128, params=7_615_616_512, hidden=3584, heads=28),
+        ModelGeometry("qwen2.5-7b", layers=28, kv_heads=4, head_dim=128, params=7_615_616_512, hidden=3584, heads=28,
+                      intermediate=18944, vocab=152064),
         # Qwen/Qwen2.5-72B
-        ModelGeometry("qwen2.5-72b", layers=80, kv_heads=8, head_dim=128, params=72_706_203_648, hidden=8192, heads=64),
+        ModelGeometry("qwen2.5-72b", layers=80, kv_heads=8, head_dim=128, params=72_706_203_648, hidden=8192, heads=64,
+                      intermediate=29568, vocab=152064),
         # Qwen/Qwen3-8B (q/k norms counted)
-        ModelGeometry("qwen3-8b", layers=36, kv_heads=8, head_dim=128, params=8_190_735_360, hidden=4096, heads=32),
+        ModelGeometry("qwen3-8b", layers=36, kv_heads=8, head_dim=128, params=8_190_735_360, hidden=4096, heads=32,
+                      intermediate=12288, vocab=151936),
         # Qwen/Qwen3-32B: 64 query heads × 128 = 8192, wider than hidden 5120, hence `heads` for attention FLOPs
-        ModelGeometry("qwen3-32b", layers=64, kv_heads=8, head_dim=128, params=32_762_123_264, hidden=5120, heads=64),
+        ModelGeometry("qwen3-32b", layers=64, kv_heads=8, head_dim=128, params=32_762_123_264, hidden=5120, heads=64,
+                      intermediate=25600, vocab=151936),
         # deepseek-ai/DeepSeek-V3: kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token per layer.
         # 671B total / 37B activated per token from the model card and technical report (arXiv 2412.19437; the
         # 14B multi-token-prediction module excluded). Attention: QK over 192 (nope 128 + rope 64) and PV over
@@ -90,11 +99,13 @@ MODELS = {
             attn_head_dim=160,
         ),
         # mistralai/Mistral-7B-v0.3 (vocab 32768; v0.1 has 32000 and 7.24B)
-        ModelGeometry("mistral-7b", layers=32, kv_heads=8, head_dim=128, params=7_248_023_552, hidden=4096, heads=32),
+        ModelGeometry("mistral-7b", layers=32, kv_heads=8, head_dim=128, params=7_248_023_552, hidden=4096, heads=32,
+                      intermediate=14336, vocab=32768),
         # The random Llama that `kvbench engine up vllm-cpu` serves (kvbench/engines/_tiny_llama.py, and the same
         # geometry in _tiny_gguf.py for llama.cpp): hidden 128, intermediate 256, 2 layers, 4 query heads, 2 KV
         # heads (head_dim 32), vocab 4096, untied lm_head → 512 KV bytes per token in bf16.
-        ModelGeometry("kvbench-tiny", layers=2, kv_heads=2, head_dim=32, params=1_344_128, hidden=128, heads=4),
+        ModelGeometry("kvbench-tiny", layers=2, kv_heads=2, head_dim=32, params=1_344_128, hidden=128, heads=4,
+                      intermediate=256, vocab=4096),
         # The smallest geometry that still has grouped-query attention, for the torch backend's real attention on
         # a CPU (tests, the chat sample in under two minutes): one layer, 2 query heads sharing 1 KV head of dim
         # 16, hidden 32; params count that backend's attention-only stack (embedding 4096 × 32, q/k/v and
