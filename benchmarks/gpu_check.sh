@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The one script to run on a lent GPU machine (an H200): checks and measures the `torch` backend on CUDA in
-# under 8 minutes of wall clock, and leaves a small results folder.
+# The one script to run on a lent GPU machine (an H100 or H200): checks engine-sim's time model against that GPU
+# and checks and measures the `torch` backend on CUDA, in under 10 minutes of wall clock, and leaves a small
+# results folder.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root
 #
-# Stages, each timed, each bounded by `timeout` and by one overall deadline (GPU_CHECK_BUDGET_S, default 470 s),
+# Stages, each timed, each bounded by `timeout` and by one overall deadline (GPU_CHECK_BUDGET_S, default 570 s),
 # so that a hung stage cannot eat the machine's lease:
 #   0. facts: nvidia-smi, memory, disk, locked-memory limit;
 #   1. install: `pip install -e ".[dev]"` unless this checkout is already importable with its entry points,
 #      and `pip install torch` only when the installed torch cannot see CUDA (the machine may be offline: every
 #      failure is reported and the script goes on with what is there);
+#   T. time model: benchmarks/gpu_time_check.py (at most 200 s; docs/gpu-truth.md): the nine linear kernels of a
+#      Llama layer timed on this GPU against the matching preset (targets: GEMM MAPE <= 10 % at >= 64 tokens,
+#      <= 25 % below), vLLM's batch-8 latency shape against engine-sim when vLLM is importable (+-15 %), and
+#      llama.cpp's TTFT/E2EL fidelity when a llama-server is on the PATH (<= 20 % / <= 10 %); one table;
 #   2. pytest: tests/gpu + tests/unit/torchkv with KVBENCH_TORCH_DEVICE=cuda (at most 300 s);
 #   3. bandwidth: benchmarks/torch_bandwidth.py --budget-s 150 (block-size sweep of transfer rates), then the
 #      issue-18 targets, one pass/FAIL line per cell: between HBM and pinned DRAM, coalesced and staged moves at
@@ -22,7 +27,7 @@
 # gpu_check.json (the summary: pytest counts, bandwidth results path and best rates, the replay's transfer
 # report and TTFT/TPOT p50, wall times), one log per stage, pytest.xml, the bandwidth JSON, replay/.
 # Exit status: 1 when pytest failed (or timed out: a timed-out stage is interrupted, so it still writes what it
-# has), 2 when CUDA is not usable, 3 when bandwidth or replay failed, else 0.
+# has), 2 when CUDA is not usable, 3 when the time model, bandwidth or replay failed, else 0.
 #
 # Knobs (environment): PYTHON, GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL=0 (no pip at all), GPU_CHECK_PYTEST_FLAGS
 # (default "-q -x"; "-q" runs every test past a failure), GPU_CHECK_DISK_DIR (disk tier files; default
@@ -38,9 +43,10 @@ OUT_DIR="${OUT:-$REPO/benchmarks/results/gpu_check}"
 mkdir -p "$OUT_DIR"
 # a reused folder (the local default) must not lend an earlier run's files to this run's summary
 rm -rf "$OUT_DIR/replay" "$OUT_DIR/pytest.xml" "$OUT_DIR/gpu_check.json" "$OUT_DIR/torch_bandwidth-cuda.json" \
+    "$OUT_DIR/gpu_time_check.json" "$OUT_DIR/llama_fidelity.json" \
     "$OUT_DIR"/*.log
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-570}"
 PYTEST_FLAGS="${GPU_CHECK_PYTEST_FLAGS:--q -x}"
 DISK_DIR="${GPU_CHECK_DISK_DIR:-/var/tmp/kvbench-gpu-check}"
 # The brief's replay (4,000 / 20,000 / 40,000 blocks) needs 160 GiB of DRAM and 320 GiB of disk at llama3-8b's
@@ -142,6 +148,20 @@ INSTALL_WALL=$(since "$S")
 echo "$INSTALL_NOTES (${INSTALL_WALL}s)"
 [ "$CUDA_OK" = 1 ] || echo "CUDA is NOT usable from $PY: the GPU tests will skip and the GPU stages will fail"
 
+# ----------------------------------------------------------------------------------------- T. time model
+say "time model"
+S=$(now)
+TIME_BUDGET=$(min 200 $(($(left) - 330)))  # leave >= 330 s for pytest, the sweep and the replay
+if [ "$TIME_BUDGET" -ge 30 ]; then
+    timeout -k 10 $((TIME_BUDGET + 30)) "$PY" benchmarks/gpu_time_check.py --out "$OUT_DIR" --budget-s "$TIME_BUDGET" \
+        2>&1 | tee "$OUT_DIR/time.log"
+    TIME_RC=$?
+else
+    TIME_RC=124
+    echo "skipped: out of time" | tee "$OUT_DIR/time.log"
+fi
+TIME_WALL=$(since "$S")
+
 # --------------------------------------------------------------------------------------------- 2. pytest
 say "pytest"
 S=$(now)
@@ -217,7 +237,7 @@ REPLAY_WALL=$(since "$S")
 # -------------------------------------------------------------------------------------------- summary
 say "summary"
 export OUT_DIR INSTALL_NOTES INSTALL_WALL CUDA_OK PYTEST_RC PYTEST_WALL BW_RC BW_WALL BW_JSON BW_BUDGET
-export REPLAY_RC REPLAY_WALL R_CAP R_HOST R_DISK DECODE_STEPS PYTEST_FLAGS
+export TIME_RC TIME_WALL REPLAY_RC REPLAY_WALL R_CAP R_HOST R_DISK DECODE_STEPS PYTEST_FLAGS
 export TOTAL_WALL="$(since "$T0")"
 "$PY" - <<'EOF'
 import json, os
@@ -252,6 +272,7 @@ summary = {
     "cuda": env["CUDA_OK"] == "1",
     "total_wall_s": float(env["TOTAL_WALL"]),
     "install": {"notes": env["INSTALL_NOTES"], "wall_s": float(env["INSTALL_WALL"])},
+    "time_model": {**stage("TIME"), "results": load(out / "gpu_time_check.json"), "log": "time.log"},
     "pytest": {**stage("PYTEST"), "flags": env["PYTEST_FLAGS"], "counts": counts, "log": "pytest.log"},
     "bandwidth": {
         **stage("BW"), "budget_s": int(env["BW_BUDGET"]), "log": "bandwidth.log",
@@ -276,5 +297,5 @@ echo "written $OUT_DIR/gpu_check.json (${TOTAL_WALL}s)"
 
 if [ "$PYTEST_RC" -ne 0 ]; then exit 1; fi
 if [ "$CUDA_OK" != 1 ]; then exit 2; fi
-if [ "$BW_RC" -ne 0 ] || [ "$REPLAY_RC" -ne 0 ]; then exit 3; fi
+if [ "$BW_RC" -ne 0 ] || [ "$REPLAY_RC" -ne 0 ] || [ "$TIME_RC" -ne 0 ]; then exit 3; fi
 exit 0

@@ -49,11 +49,14 @@ def mlp_width(model: ModelGeometry) -> int:
     return max(0, rest // (3 * model.layers * model.hidden))
 
 
-def applies(model: ModelGeometry, hw: Hardware, weight_dtype: str) -> bool:
+def applies(model: ModelGeometry, hw: Hardware, weight_dtype: str, tp: int) -> bool:
     """Whether the operator model covers this deployment: measured kernels on `hw`, a dense GQA model (MoE and
-    MLA layers run other kernels) with its widths known, bf16 weights (the measured kernels' format)."""
+    MLA layers run other kernels) with its widths known, bf16 weights (the measured kernels' format), and a TP
+    group inside one server (the all-reduces were measured over NVLink; wider groups cross the network, which
+    parallel_model.py costs)."""
     dense = model.active_params == model.params and not model.mla
-    return hw.has_operator_times and dense and weight_dtype == "bf16" and bool(model.hidden and model.heads)
+    inside = tp <= hw.devices_per_node
+    return hw.has_operator_times and dense and weight_dtype == "bf16" and inside and bool(model.hidden and model.heads)
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ class LatencyModel:
             # kernel by kernel where this device's kernels were measured (operators.py), else None: the roofline
             "_ops": None,
         }
-        if self.calibration is None and operators.applies(m, self.hw, self.weight_dtype):
+        if self.calibration is None and operators.applies(m, self.hw, self.weight_dtype, tp):
             ops = operators.OperatorModel(m, self.hw, tp)
             fixed, per_token = ops.comm_terms()
             derived |= {"_ops": ops, "_attn_floor_s": m.layers * self.hw.eltwise_floor_s,

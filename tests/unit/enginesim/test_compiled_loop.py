@@ -1,6 +1,7 @@
 """engine-sim's compiled loop (compiled_loop.py) gives the Python loop's results bit for bit: every per-request
 column and every summary fact, over routers, preemption modes, pools small enough to evict, preempt and reject,
-a calibrated step model and a mixture-of-experts roofline; the cases it does not cover run the Python loop; its
+a calibrated step model, the h100's kernel-by-kernel model (the default), a datasheet roofline and a
+mixture-of-experts roofline; the cases it does not cover run the Python loop; its
 AOT module builds and runs.
 
 This is an equivalence check between kvbench's two loops, not a check of truth: engine-sim against the live vLLM
@@ -40,6 +41,10 @@ CASES = {
     "multimodal, prefix-affinity, a pool too small for some prompts": (
         "multimodal",
         {"instances": 4, "router": "prefix-affinity", "hbm_capacity": "60", "max_num_batched_tokens": 2048},
+    ),
+    "chat, the datasheet roofline of an A100 (no measured kernels)": (
+        "chat",
+        {"instances": 2, "hardware": "a100", "hbm_capacity": "400"},
     ),
     "chat, mixture of experts (MLA) on a B200": (
         "chat",

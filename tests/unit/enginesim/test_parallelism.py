@@ -4,6 +4,7 @@ formulas, a published vLLM figure for Llama-3-70B on 4 × H100, every refusal, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pyarrow.parquet as pq
@@ -109,7 +110,7 @@ def test_mla_latent_is_copied_on_every_tp_rank_unless_attention_is_data_parallel
 
 # --- time model ---------------------------------------------------------------------------------------------
 def test_a_tp2_decode_step_adds_two_ring_all_reduces_per_layer():
-    m, h100 = MODELS["llama3-8b"], HARDWARE["h100"]
+    m, h100 = MODELS["llama3-8b"], dataclasses.replace(HARDWARE["h100"], gemm_mfu=0.0)  # the datasheet roofline
     lat = ParallelLatencyModel(m, h100, tp=2)
     cost = lat.step_cost([], [500] * 10)
     payload = 10 * 4096 * 2  # 10 tokens × hidden × bf16
@@ -178,18 +179,19 @@ def test_at_one_device_the_parallel_model_is_the_one_device_roofline():
         assert par.kv_capacity_tokens() == one.kv_capacity_tokens()
 
 
-# --- a published figure ---------------------------------------------------------------------------------------
+# --- published figures (docs/gpu-truth.md; benchmarks/published_figures.py replays them whole) ---------------------
 # LambdaLabsML/vllm-benchmark, benchmark_v0.md (github.com/LambdaLabsML/vllm-benchmark/blob/main/benchmark_v0.md):
 # Llama 3.1 70B, tp=4 on H100-80GB-SXM, vLLM, rps=inf, 5000 prompts, max-num-seq 256, max-seq-len 2048: median
-# TPOT 61.10 (v0.6.0, 10 scheduler steps) to 125.78 ms (v0.5.4), median ITL 63.54 ms (v0.6.0) and 74.22 ms
-# (v0.5.4). Those include the prefills the engine interleaves and its CPU time; a roofline decode step has
-# neither, so it must come out below the smallest of them, and not by more than 3× (docs/parallelism.md).
+# TPOT 61.10 (v0.6.0, 10 scheduler steps) to 125.78 ms (v0.5.4). Those include the prefills the engine
+# interleaves and its CPU time (the page shows scheduling alone moving TPOT from 103 to 61 ms on the same GPUs); a
+# decode step's kernels have neither, so the step must come out below the smallest of them and not by more than 3×.
 PUBLISHED_70B_TP4_MS = (61.10, 125.78)
 
 
 @pytest.mark.parametrize("context", [1024, 2048])
 def test_70b_tp4_h100_decode_step_against_the_published_vllm_figures(context):
     lat = EngineSimBackend(deployment="llama3-70b-4xh100").latency
+    assert lat._ops is not None  # the kernel-by-kernel model: the h100's kernels were measured
     step_ms = lat.decode_step_s(256, 256 * context) * 1e3
     low, high = PUBLISHED_70B_TP4_MS
     assert low / 3 < step_ms < low < high
@@ -201,13 +203,17 @@ VLLM_NIGHTLY_70B_TP4_H200_MS = 2077.53
 
 
 def test_70b_tp4_h200_latency_benchmark_against_vllms_nightly_figure():
-    """The same work on the roofline: one prefill of 8 × 32 tokens, then 127 decode steps of 8 sequences whose
-    context grows by one token each. A roofline has no per-step kernel floor or CPU time, so it must come out
-    below the engine, but not below half of it (docs/parallelism.md: 0.64)."""
+    """The same work step by step: one prefill of 8 × 32 tokens, then 127 decode steps of 8 sequences whose context
+    grows by one token each. Target ±15 % (issue 34); the bounds are that target. The engine's CPU time per step,
+    which the kernel model lacks, is a few percent at batch 8 (docs/gpu-truth.md: 0.93 of the figure)."""
     lat = EngineSimBackend(model="llama3-70b", hardware="h200", tp=4).latency
     total = lat.step_s([(32, 0)] * 8, [])
     total += sum(lat.decode_step_s(8, 8 * (32 + i)) for i in range(1, 128))
-    assert 0.5 < total * 1e3 / VLLM_NIGHTLY_70B_TP4_H200_MS < 1.0
+    assert 0.85 < total * 1e3 / VLLM_NIGHTLY_70B_TP4_H200_MS < 1.15
+    # the datasheet roofline alone (no kernel floors, no measured collectives) was 0.64 of it
+    roofline = ParallelLatencyModel(MODELS["llama3-70b"], dataclasses.replace(HARDWARE["h200"], gemm_mfu=0.0), tp=4)
+    alone = roofline.step_s([(32, 0)] * 8, []) + sum(roofline.decode_step_s(8, 8 * (32 + i)) for i in range(1, 128))
+    assert alone < 0.7 * total
 
 
 # --- refusals -------------------------------------------------------------------------------------------------

@@ -199,14 +199,16 @@ def test_pipelined_attn_ffn_overlaps_a_prefill_and_equals_serial_for_one_decode(
     from kvbench.backends.enginesim import EngineSimBackend
 
     rows = [request(0, 0, tuple(("q", b) for b in range(63)), tokens=1000, out=5)]
-    agg, _ = replay(tmp_path, rows, "af", policy="lru")
-    serial, _ = replay(tmp_path, rows, "af", policy="lru", disagg="attn-ffn")
-    piped, p = replay(tmp_path, rows, "af", policy="lru", disagg="attn-ffn-pipelined", attn_ffn_micro_batches=2)
+    # a100: a roofline preset, whose step splits into weights and attention as the scenario takes it to
+    hw = {"hardware": "a100"}
+    agg, _ = replay(tmp_path, rows, "af", policy="lru", **hw)
+    serial, _ = replay(tmp_path, rows, "af", policy="lru", disagg="attn-ffn", **hw)
+    piped, p = replay(tmp_path, rows, "af", policy="lru", disagg="attn-ffn-pipelined", attn_ffn_micro_batches=2, **hw)
     assert facts(p, "disagg")["micro_batches"] == 2
     # a single decoding sequence is one micro-batch: the pipeline is the serial ring, L round trips
     assert piped["tpot_s"][0] == pytest.approx(serial["tpot_s"][0], rel=1e-9)
     # the 1000-token prefill splits in two micro-batches of 500 whose attention and FFN overlap
-    backend = EngineSimBackend(policy="lru", disagg="attn-ffn-pipelined", attn_ffn_micro_batches=2)
+    backend = EngineSimBackend(policy="lru", disagg="attn-ffn-pipelined", attn_ffn_micro_batches=2, **hw)
     (scenario,) = backend.scenarios
     t = backend.latency.prefill_s(1000, 0)
     scenario.latency, scenario.act_bytes_per_token = backend.latency, 2 * LAYERS * HIDDEN * 2
