@@ -50,15 +50,16 @@ def _say(message: str) -> None:
 def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     """Fit a synthetic twin to TRACE (block ids and timings only, no text) and write it to OUT.
 
-    The model (docs/semantics.md, Fitting a synthetic twin): per request, the depth at which it attaches to the
-    prefix tree, how many requests held that prefix and how many distinct blocks follow it, how far back it was
-    last used (LRU stack distance in blocks, and seconds), whether it continues its parent (a next turn), the
-    blocks it adds and its prompt and output lengths, kept as one joint distribution by tenth of the trace; the
-    trace's shared prefixes (system prompts, documents: nodes two or more requests branch from), kept as such;
-    the arrival rate over time and its burstiness; tenant and workload shares. Salts and
-    LoRA adapters are folded into the block ids first, as a replay folds them. The self-check replays TRACE and
-    the twin and warns, naming the statistic that is off, when the twin misses its targets (infinite-cache gap
-    0.02, curve gap 0.03).
+    The model (docs/semantics.md, Fitting a synthetic twin): the trace cut into units (conversations and task
+    trees: requests tied by continuing a whole earlier prompt, or by a session_id, parent_id or depends_on the
+    trace names), each kept whole with its requests' offsets, lengths and prefix-tree links (which request's
+    prefix, how many blocks of it, how many new blocks); what units share (system prompts, documents) stays
+    shared; and the arrival process of unit starts (rate over time, burstiness). The twin draws the units each
+    once, exchanged only within their tenth of the trace and their root prompt, on start times drawn from the
+    fitted process; K copies of the users for --scale K, each with its own block ids. Salts and LoRA adapters
+    are folded into the block ids first, as a replay folds them. The self-check replays TRACE and the twin and
+    warns, naming the statistic that is off, when the twin misses its targets (infinite-cache gap 0.02, curve
+    gap 0.03).
     """
     from kvbench.cache.prepared import fold_isolation
     from kvbench.report import twin as report
@@ -79,10 +80,11 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     params["source"] = {"trace": str(src), "scale": scale, "seed": seed}
 
     def progress(done, total):
-        _say(f"  twin: {done:,}/{total:,} requests")
+        _say(f"  twin: copy {done}/{total} of the users")
 
     _say(f"generating the twin (scale {scale:g}, seed {seed})…")
-    twin = synth.synthesize(params, scale=scale, seed=seed, progress=progress if table.num_rows * scale > 5e4 else None)
+    slow = scale > 1 and table.num_rows * scale > 5e4  # progress is by copy of the users
+    twin = synth.synthesize(params, scale=scale, seed=seed, progress=progress if slow else None)
     check(twin, meta.block_size, f"twin of {src}")  # a twin that would not replay is kvbench's bug: say so
     out = Path(out)
     source = {"generator": "trace-fit", "fitted_from": str(src), "scale": scale, "seed": seed}

@@ -21,13 +21,9 @@ from kvbench.trace.stats import infinite_cache_hits
 FRESH, EXTEND, BRANCH = 0, 1, 2
 KIND_NAMES = ("fresh", "extend", "branch")
 LEVELS = 201  # quantile levels stored per distribution: 0.5% steps, enough to keep point masses of counts
-MODEL_VERSION = 2
-MAX_ROWS = 40_000  # joint rows kept: a uniform subsample past that
-TENTHS = 10
-JOINT_COLUMNS = (
-    "shared_blocks", "distance_blocks", "new_blocks", "last_block_tokens", "output_tokens", "holder_beyond", "lag_s",
-    "tenth", "holders", "children", "continues", "prefix", "makes_prefix",
-)  # fmt: skip
+MODEL_VERSION = 3
+MOST_USED = 50  # shared prefixes listed by name in the parameters, most branched-off first
+MODEL_NOTE = "units resampled whole on fitted unit arrivals (kvbench/trace/fit/units.py)"
 
 
 def quantiles(values) -> list[float]:
@@ -246,7 +242,7 @@ def arrival_model(arrival: np.ndarray) -> dict:
     n = arrival.size
     start = float(arrival[0]) if n else 0.0
     duration = float(arrival[-1] - start) if n else 0.0
-    bins = int(min(100, max(1, n // 50)))
+    bins = int(min(100, max(1, np.sqrt(n))))  # square-root rule: bins grow with the evidence for them
     edges = np.linspace(0.0, duration, bins + 1) if duration > 0 else np.zeros(2)
     counts = np.searchsorted(arrival - start, edges, side="right").astype(np.float64)
     counts[0] = 0.0
@@ -275,31 +271,43 @@ def _shares(table: pa.Table, column: str) -> dict[str, float]:
     return {c["values"]: c["counts"] / total for c in sorted(counts, key=lambda c: str(c["values"]))}
 
 
-def tenths(n: int) -> np.ndarray:
-    """Each of n requests' tenth of the trace, by arrival order."""
-    return np.minimum((np.arange(n) * TENTHS) // max(n, 1), TENTHS - 1)
+def _by_octave(depth: np.ndarray, values: np.ndarray) -> list[dict]:
+    out = []
+    octave = np.floor(np.log2(np.maximum(depth, 1))).astype(np.int64)
+    for k in np.unique(octave).tolist():
+        sel = octave == k
+        v = values[sel]
+        v = v[np.isfinite(v)]
+        out.append({"depth_blocks": [2**k, 2 ** (k + 1) - 1], "requests": int(sel.sum()),
+                    "median": float(np.median(v)) if v.size else None,
+                    "p90": float(np.quantile(v, 0.9)) if v.size else None})  # fmt: skip
+    return out
 
 
-def _joint(st: dict, inp: np.ndarray, out: np.ndarray, block_size: int, rng: np.random.Generator) -> dict:
-    """The joint table of JOINT_COLUMNS, a row per request: the empirical joint distribution, so that lengths
-    keep their correlation with each other and with how much of a prompt is shared and how far back. Rows keep
-    their tenth of the trace: a trace's window starts cold (its first requests find less to reuse) and its
-    conversations deepen as it goes, and a twin's request draws from its own tenth. Subsampled uniformly to at
-    most MAX_ROWS rows (an unbiased sample of the same distribution, of bounded size in the parameters)."""
-    nb, shared = st["n_blocks"], st["shared"]
-    tail = inp - (nb - 1) * block_size
-    lag = np.nan_to_num(st["lag_s"], nan=0.0)
-    # blocks the latest holder of the shared prefix has past it: 0 or 1 when the request continues where that
-    # request ended (a conversation's next turn), more when it branches off inside it
-    beyond = np.where(shared > 0, st["parent_len"] - shared, 0)
-    distance = np.nan_to_num(st["distance_blocks"], nan=0.0)
-    tenth = tenths(nb.size)
-    popularity = [st["holders"], st["children"], st["kind"] == EXTEND, st["prefix"], st["makes_prefix"]]
-    rows = np.stack([shared, distance, nb - shared, tail, out, beyond, np.round(lag, 6), tenth, *popularity], axis=1)
-    sel = np.arange(nb.size)
-    if sel.size > MAX_ROWS:
-        sel = np.sort(rng.choice(sel, MAX_ROWS, replace=False))
-    return {"columns": list(JOINT_COLUMNS), "rows": rows[sel].tolist()}
+def describe(st: dict, inp: np.ndarray, out: np.ndarray) -> dict:
+    """What the twin keeps, summarised for a reader (the twin itself resamples whole units, not these): the
+    prefix tree's fan-out and popularity by attach depth, the reuse distance at each depth, the shared prefixes,
+    and the joint distribution of prompt and output lengths."""
+    reuse = st["shared"] > 0
+    depth = st["shared"][reuse]
+    prefixes = np.asarray(st["prefixes"], dtype=np.int64).reshape(-1, 2)
+    used = np.bincount(st["prefix"][st["prefix"] >= 0], minlength=prefixes.shape[0])
+    top = np.argsort(-used, kind="stable")[:MOST_USED]
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731 - Spearman's rho is Pearson's on ranks
+    rho = float(np.corrcoef(rank(inp), rank(out))[0, 1]) if inp.size > 2 and inp.std() and out.std() else 0.0
+    return {
+        "reusing_share": float(reuse.mean()),
+        "fanout_by_depth": _by_octave(depth, st["children"][reuse].astype(np.float64)),
+        "holders_by_depth": _by_octave(depth, st["holders"][reuse].astype(np.float64)),
+        "stack_distance_blocks_by_depth": _by_octave(depth, st["distance_blocks"][reuse]),
+        "reuse_distance_s_by_depth": _by_octave(depth, st["lag_s"][reuse]),
+        "shared_prefixes": {
+            "count": int(prefixes.shape[0]),
+            "depth_blocks": quantiles(prefixes[:, 0]) if prefixes.size else [],
+            "most_used": [{"depth_blocks": int(prefixes[k, 0]), "branches": int(used[k])} for k in top.tolist()],
+        },
+        "lengths": {"input_tokens": quantiles(inp), "output_tokens": quantiles(out), "spearman": rho},
+    }
 
 
 def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
@@ -312,21 +320,27 @@ def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
     out = table.column("output_tokens").to_numpy().astype(np.int64)
     named = _named_sessions(table)
     session, _ = sessions_of(kind, st["parent"])
-    rng = np.random.default_rng(0)  # the subsample of the joint table: the same trace gives the same parameters
+    from kvbench.trace.fit import units  # units reads the kinds this module defines
+
+    rng = np.random.default_rng(0)  # the subsample of units: the same trace gives the same parameters
+    tenants, workloads = _shares(table, "tenant"), _shares(table, "workload")
+    rows, starts = units.unit_model(table, st, list(tenants), list(workloads), rng)
     params = {
-        "model": "prefix-attach",
+        "model": "unit-resample",
         "model_version": MODEL_VERSION,
+        "note": MODEL_NOTE,
         "block_size": block_size,
         "requests": int(table.num_rows),
         "arrival": arrival_model(st["arrival_s"]),
-        "joint": _joint(st, inp, out, block_size, rng),
-        "shared_prefixes": st["prefixes"],
+        "unit_arrival": arrival_model(starts),
+        "units": rows,
+        "describe": describe(st, inp, out),
         "kinds": {name: float(np.mean(kind == k)) for k, name in enumerate(KIND_NAMES)},
         "sessions": {
             "named": None if named is None else session_stats(named, st["arrival_s"]),
             "inferred": session_stats(session, st["arrival_s"]),
         },
-        "tenants": _shares(table, "tenant"),
-        "workloads": _shares(table, "workload"),
+        "tenants": tenants,
+        "workloads": workloads,
     }
     return params, st

@@ -1,0 +1,192 @@
+"""The trace's users as units the twin resamples: conversations and task trees, kept whole.
+
+What decides a prefix cache's hit rates is inside these units (a conversation's next turn continues its last
+prompt seconds or minutes later; sub-agents fork from their task's context) and between them only through
+prefixes many of them share (system prompts, documents, tool definitions). So the fit cuts the trace into units
+and keeps each one's requests as they are, relative to the unit's start; the twin lays units out on a fitted
+arrival process of unit starts (docs/semantics.md, Fitting a synthetic twin).
+
+A unit is a connected set of requests under the links the trace shows: a request that continues its parent's
+whole prompt (an *extend*: a next turn, a retry, a fork off the full context), and, where the trace names them,
+one session_id, parent_id or depends_on. A request that branches off inside an earlier prompt (a shared system
+prompt or document) starts or joins a unit by those links only: the prefix it shares is content, not history.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from kvbench.trace.fit.model import EXTEND
+
+ROW_COLUMNS = ("unit", "offset_s", "parent", "shared_blocks", "new_blocks", "input_tokens", "output_tokens",
+               "tenant", "workload")  # fmt: skip
+TENTHS = 10  # units are exchanged only with those of the same tenth of the trace, by start
+MAX_ROWS = 40_000  # rows kept: whole units drawn uniformly past that, plus the requests their prefixes come from
+
+
+class _Union:
+    def __init__(self, n: int) -> None:
+        self.up = np.arange(n)
+
+    def find(self, a: int) -> int:
+        root = a
+        while self.up[root] != root:
+            root = self.up[root]
+        while self.up[a] != root:
+            self.up[a], a = root, self.up[a]
+        return int(root)
+
+    def join(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.up[max(ra, rb)] = min(ra, rb)
+
+
+def _named_links(table: pa.Table) -> list[tuple[int, int]]:
+    """Pairs of rows the trace itself ties together: one session_id, or a parent_id / depends_on naming a row."""
+    n, links = table.num_rows, []
+    names = table.column("request_id").to_pylist()
+    index = {r: i for i, r in enumerate(names)}
+    if "session_id" in table.column_names:
+        first: dict[str, int] = {}
+        for i, s in enumerate(table.column("session_id").to_pylist()):
+            if s is not None and s != "":
+                links.append((first.setdefault(s, i), i))
+    for column in ("parent_id", "depends_on"):
+        if column not in table.column_names:
+            continue
+        for i, v in enumerate(table.column(column).to_pylist()):
+            for name in v if isinstance(v, list) else [v]:
+                j = index.get(name) if name is not None else None
+                if j is not None and j != i:
+                    links.append((j, i))
+    return [(a, b) for a, b in links if 0 <= a < n and 0 <= b < n]
+
+
+def units_of(table: pa.Table, st: dict) -> np.ndarray:
+    """Unit per request, numbered by first arrival."""
+    n = table.num_rows
+    u = _Union(n)
+    for i in np.flatnonzero(st["kind"] == EXTEND).tolist():
+        u.join(i, int(st["parent"][i]))
+    for a, b in _named_links(table):
+        u.join(a, b)
+    roots = np.fromiter((u.find(i) for i in range(n)), dtype=np.int64, count=n)
+    _, first, inverse = np.unique(roots, return_index=True, return_inverse=True)
+    return np.argsort(np.argsort(first))[inverse]  # units renumbered in order of their first request
+
+
+def _codes(table: pa.Table, column: str, names: list[str]) -> np.ndarray:
+    if not names or column not in table.column_names:
+        return np.full(table.num_rows, -1, dtype=np.int64)
+    values = table.column(column).cast(pa.string()).fill_null("").to_pylist()
+    index = {k: i for i, k in enumerate(names)}
+    return np.asarray([index.get(v, -1) for v in values], dtype=np.int64)
+
+
+def _kept(unit: np.ndarray, parent: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(rows kept, which of them are emitted): all rows up to MAX_ROWS; past that, whole units in random order
+    while they fit, plus the rows their shared prefixes come from (transitively, never emitted themselves), so
+    that every kept path can be rebuilt."""
+    n = unit.size
+    if n <= MAX_ROWS:
+        return np.arange(n), np.ones(n, dtype=bool)
+    sizes = np.bincount(unit)
+    order = rng.permutation(sizes.size)
+    chosen = np.zeros(sizes.size, dtype=bool)
+    chosen[order[np.cumsum(sizes[order]) <= MAX_ROWS]] = True
+    keep = chosen[unit]
+    for i in range(n - 1, -1, -1):  # a parent comes before its child: one backward pass closes the set
+        if keep[i] and parent[i] >= 0:
+            keep[parent[i]] = True
+    rows = np.flatnonzero(keep)
+    return rows, chosen[unit[rows]]
+
+
+def unit_model(table: pa.Table, st: dict, tenants: list[str], workloads: list[str], rng) -> tuple[dict, np.ndarray]:
+    """The units' requests as rows of ROW_COLUMNS, in arrival order (`parent` indexes these rows, -1 for none;
+    `unit` is -1 for a row kept only because a kept row's prefix comes from it), the number of units in the
+    trace; and the units' start times (s), for the caller to fit their arrival process."""
+    unit = units_of(table, st)
+    arrival, parent = st["arrival_s"], st["parent"]
+    start = np.full(int(unit.max()) + 1, np.inf)
+    np.minimum.at(start, unit, arrival)
+    keep, emitted = _kept(unit, parent, rng)
+    where = np.full(unit.size, -1, dtype=np.int64)
+    where[keep] = np.arange(keep.size)
+    rows = np.stack(
+        [
+            np.where(emitted, unit[keep], -1),
+            np.round(arrival[keep] - start[unit[keep]], 6),
+            np.where(parent[keep] >= 0, where[np.maximum(parent[keep], 0)], -1),
+            st["shared"][keep],
+            (st["n_blocks"] - st["shared"])[keep],
+            table.column("input_tokens").to_numpy()[keep],
+            table.column("output_tokens").to_numpy()[keep],
+            _codes(table, "tenant", tenants)[keep],
+            _codes(table, "workload", workloads)[keep],
+        ],
+        axis=1,
+    )
+    return {"columns": list(ROW_COLUMNS), "rows": rows.tolist(), "units": int(start.size)}, np.sort(start)
+
+
+NCOL = len(ROW_COLUMNS)
+UNIT, OFFSET, PARENT, SHARED, NEW, INPUT, OUTPUT, TENANT, WORKLOAD = range(NCOL)
+
+
+class Layout:
+    """The kept rows' block paths, rebuilt from (parent, shared, new): a row's path is its parent's first
+    `shared` blocks and then `new` blocks no earlier row has. Node ids are local; copy k of the users adds
+    k x nodes, and a unit drawn a second time in one copy (only when rows were subsampled) gets fresh ids for
+    the blocks its own rows made, so that equal id still means equal prefix."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.paths: list[np.ndarray] = []
+        nodes = 0
+        for r in range(rows.shape[0]):
+            p, shared, new = int(rows[r, PARENT]), int(rows[r, SHARED]), int(rows[r, NEW])
+            head = self.paths[p][:shared] if p >= 0 else np.empty(0, np.int64)
+            self.paths.append(np.concatenate([head, np.arange(nodes, nodes + new, dtype=np.int64)]))
+            nodes += new
+        self.nodes = nodes
+        self.fresh = nodes  # next id past every copy's, for repeated units; set by the caller per twin
+
+    def occurrence(self, members: np.ndarray, copy: int, repeat: bool) -> list[np.ndarray]:
+        """Paths of one unit's rows (`members`, ascending) as drawn in `copy`."""
+        base = copy * self.nodes
+        if not repeat:
+            return [self.paths[r] + base for r in members.tolist()]
+        mine: dict[int, np.ndarray] = {}
+        for r in members.tolist():
+            p, shared, new = int(self.rows[r, PARENT]), int(self.rows[r, SHARED]), int(self.rows[r, NEW])
+            head = (mine[p] if p in mine else self.paths[p] + base)[:shared] if p >= 0 else np.empty(0, np.int64)
+            mine[r] = np.concatenate([head, np.arange(self.fresh, self.fresh + new, dtype=np.int64)])
+            self.fresh += new
+        return [mine[r] for r in members.tolist()]
+
+
+def draws(units: np.ndarray, group: np.ndarray, count: int, rng: np.random.Generator):
+    """`count` unit draws for one copy of the users, in the order they start: the kept units (numbered by their
+    first request, so in the order they started), each once as in the trace, exchanged at random only with units
+    of the same `group` (those that start on the same root block: the same application's system prompt) that
+    started in the same tenth of that order; then, when fewer units were kept than the trace has, further draws
+    with replacement. Exchanging only within a tenth keeps what a trace's window does to its units (those that
+    start late are cut short by its end; those that started early hold the history later ones reuse), and only
+    within a group, what each application's share of the traffic was when. Returns (units, whether each is a
+    repeat within the copy)."""
+    pick = np.sort(np.arange(units.size) if count >= units.size else rng.choice(units.size, size=count, replace=False))
+    order, kin = units[pick], group[pick]
+    tenth = (np.arange(order.size) * TENTHS) // max(order.size, 1)
+    first = order.copy()
+    for key in np.unique(np.stack([tenth, kin]), axis=1).T:
+        at = np.flatnonzero((tenth == key[0]) & (kin == key[1]))
+        first[at] = order[rng.permutation(at)]
+    more = rng.choice(units, size=max(count - first.size, 0), replace=True)
+    # a repeat takes a slot near where its unit's first draw is: by rank among the units, in the order they start
+    rank = np.concatenate([np.arange(first.size), np.searchsorted(order, more) + 0.5]) / max(order.size, 1)
+    drawn, again = np.concatenate([first, more]), np.arange(first.size + more.size) >= first.size
+    at = np.argsort(rank, kind="stable")
+    return drawn[at], again[at]
