@@ -85,6 +85,43 @@ def measure(name: str, path: Path, work: Path, seed: int, scale: float) -> dict:
     }
 
 
+def exact_copies(name: str, path: Path, work: Path, k: int = 2) -> dict:
+    """The trace and k - 1 renamed copies of it, in lockstep (each request beside its copies), measured as a
+    k-times twin is: k times the trace's own users, exactly, at k times the cache. Where a twin misses the
+    target by as much as these copies do, the miss is the comparison's under LRU, not the twin's units'."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from kvbench.cache.prepared import fold_isolation
+    from kvbench.report import twin as report
+    from kvbench.trace.files import new_meta, write_trace
+    from kvbench.trace.validation import read_valid_trace
+
+    table, meta = read_valid_trace(path)
+    table = table.sort_by([("arrival_s", "ascending")])
+    hashes = fold_isolation(table)
+    parts = []
+    for c in range(k):
+        ids = pc.list_flatten(hashes).to_numpy().astype(np.uint64) * np.uint64(2 * c + 1) + np.uint64(c)
+        renamed = pa.ListArray.from_arrays(hashes.offsets, pa.array(ids, pa.uint64()))
+        parts.append(
+            pa.table(
+                {
+                    "request_id": pc.binary_join_element_wise(table.column("request_id"), f"-c{c}", ""),
+                    "arrival_s": table.column("arrival_s"),
+                    "input_tokens": table.column("input_tokens"),
+                    "output_tokens": table.column("output_tokens"),
+                    "block_hashes": renamed,
+                }
+            )
+        )
+    both = pa.concat_tables(parts)
+    both = both.take(np.argsort(np.tile(np.arange(table.num_rows), k), kind="stable"))
+    out = write_trace(both, work / f"{name}-exact-x{k}.parquet", new_meta(meta.block_size, {"generator": "copies"}))
+    fid = report.fidelity(table, path, both, out, meta.block_size, float(k))
+    return {"infinite_cache_gap": fid["infinite_cache"]["gap_steady"], "max_curve_gap": fid["max_curve_gap_steady"]}
+
+
 def seed_to_seed(kind: str, paths: list[Path]) -> dict:
     """The same generator at two seeds, measured as a twin is: how far apart two draws of one workload are.
     No twin of one draw can be expected closer to it than another draw of the same generator."""
@@ -123,6 +160,7 @@ def main() -> None:
         paths = traces(work, seeds)
         for kind in KINDS:
             floors[kind] = seed_to_seed(kind, [paths[f"{kind}-s{s}"] for s in seeds])
+        copies = {name: exact_copies(name, paths[name], work) for name in PUBLIC if name in paths}
         for i, (name, path) in enumerate(paths.items()):
             for scale in (1.0, 2.0):
                 r = measure(name, path, work, seeds[i % len(seeds)], scale)
@@ -146,7 +184,14 @@ def main() -> None:
         g["meets_target"] = worst_inf <= INFINITE_TARGET and worst_curve <= CURVE_TARGET
         if name in floors:
             g["seed_to_seed"] = floors[name]
+        if name in copies:
+            g["exact_copies_x2"] = copies[name]
     print("\ntrace                   worst gaps: infinite  curve   met   same generator at another seed: inf  curve")
+    for name, c in copies.items():
+        print(
+            f"{name}: an exact 2-copy at twice each capacity: infinite {c['infinite_cache_gap']:.4f}, "
+            f"curve {c['max_curve_gap']:.4f}"
+        )
     for name, g in by_trace.items():
         floor = g.get("seed_to_seed")
         ref = f"{floor['median_infinite_cache_gap']:>10.4f}{floor['median_max_curve_gap']:>8.4f}" if floor else ""
@@ -164,6 +209,8 @@ def main() -> None:
                 "target": {"infinite_cache_gap": INFINITE_TARGET, "max_curve_gap": CURVE_TARGET},
                 "hit_rate": "token hit rate after the warm-up half; scale-2 twins at twice each capacity",
                 "seed_to_seed": "per generated kind: the same generator at two of the seeds, measured as a twin is",
+                "exact_copies_x2": "per public trace: the trace and a renamed copy in lockstep, measured as a "
+                "scale-2 twin is (the trace's own users twice, exactly, at twice the cache)",
                 "worst": {
                     "infinite_cache_gap": max(r["infinite_cache_gap"] for r in runs),
                     "max_curve_gap": max(r["max_curve_gap"] for r in runs),
