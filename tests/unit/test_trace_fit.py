@@ -127,8 +127,10 @@ def test_fit_recovers_a_structure_known_by_construction(seed):
     assert np.median(col["output_tokens"]) == pytest.approx(200, rel=0.15)
     assert params["describe"]["lengths"]["output_tokens"][100] == pytest.approx(200, rel=0.15)  # the median
     assert params["arrival"]["rate_per_s"] == pytest.approx(2.0, rel=0.2)
-    # units start with their first turns, the first fifth of the requests: at the same rate
-    assert params["unit_arrival"]["rate_per_s"] == pytest.approx(2.0, rel=0.4)
+    # units start with their first turns, the first `conversations` requests, and keep those start times
+    t = table.column("arrival_s").to_numpy()
+    assert params["unit_arrival"]["starts_s"] == pytest.approx((t[:conversations] - t[0]).tolist())
+    assert params["unit_arrival"]["rate_per_s"] == pytest.approx(conversations / (t[conversations - 1] - t[0]))
     assert params["arrival"]["gap_cv"] == pytest.approx(1.0, abs=0.2)
 
 
@@ -293,12 +295,17 @@ def test_units_are_conversations_and_named_sessions_not_shared_prompts():
             "block_hashes": pa.array(blocks, pa.list_(pa.uint64())),
         }
     )
-    assert units_of(table, structure(table)).tolist() == [0, 1, 0, 1]
+
+    def units(t):
+        st = structure(t)
+        return units_of(t, st["kind"] == EXTEND, st["parent"]).tolist()
+
+    assert units(table) == [0, 1, 0, 1]
     # a trace that names one session for all four, or a parent_id from b1 to a1, ties them into one unit
     named = table.append_column("session_id", pa.array(["s"] * 4))
-    assert units_of(named, structure(named)).tolist() == [0, 0, 0, 0]
+    assert units(named) == [0, 0, 0, 0]
     parented = table.append_column("parent_id", pa.array([None, "a1", None, None], pa.string()))
-    assert units_of(parented, structure(parented)).tolist() == [0, 0, 0, 0]
+    assert units(parented) == [0, 0, 0, 0]
 
 
 def test_a_subsampled_fit_keeps_whole_units_and_the_prefixes_they_share(seed, monkeypatch):

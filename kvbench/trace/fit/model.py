@@ -16,22 +16,24 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvbench.trace.fit import units
 from kvbench.trace.stats import infinite_cache_hits
 
 FRESH, EXTEND, BRANCH = 0, 1, 2
 KIND_NAMES = ("fresh", "extend", "branch")
 LEVELS = 201  # quantile levels stored per distribution: 0.5% steps, enough to keep point masses of counts
 MODEL_VERSION = 3
+MAX_STARTS = 40_000  # unit start times kept exactly up to this many units, as that many quantiles past it
 MOST_USED = 50  # shared prefixes listed by name in the parameters, most branched-off first
 MODEL_NOTE = "units resampled whole on fitted unit arrivals (kvbench/trace/fit/units.py)"
 
 
-def quantiles(values) -> list[float]:
-    """The distribution of `values` as LEVELS evenly spaced quantiles (min to max); [] when there are none."""
+def quantiles(values, levels: int = LEVELS) -> list[float]:
+    """The distribution of `values` as `levels` evenly spaced quantiles (min to max); [] when there are none."""
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
         return []
-    return [float(q) for q in np.quantile(values, np.linspace(0.0, 1.0, LEVELS))]
+    return [float(q) for q in np.quantile(values, np.linspace(0.0, 1.0, levels))]
 
 
 def draw(table: list[float], rng: np.random.Generator, n: int, discrete: bool) -> np.ndarray:
@@ -320,11 +322,9 @@ def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
     out = table.column("output_tokens").to_numpy().astype(np.int64)
     named = _named_sessions(table)
     session, _ = sessions_of(kind, st["parent"])
-    from kvbench.trace.fit import units  # units reads the kinds this module defines
-
     rng = np.random.default_rng(0)  # the subsample of units: the same trace gives the same parameters
     tenants, workloads = _shares(table, "tenant"), _shares(table, "workload")
-    rows, starts = units.unit_model(table, st, list(tenants), list(workloads), rng)
+    rows, starts = units.unit_model(table, st, kind == EXTEND, list(tenants), list(workloads), rng)
     params = {
         "model": "unit-resample",
         "model_version": MODEL_VERSION,
@@ -332,7 +332,11 @@ def fit(table: pa.Table, block_size: int) -> tuple[dict, dict]:
         "block_size": block_size,
         "requests": int(table.num_rows),
         "arrival": arrival_model(st["arrival_s"]),
-        "unit_arrival": arrival_model(starts),
+        "unit_arrival": {
+            **arrival_model(starts),
+            "starts_s": quantiles(starts - starts[0], min(starts.size, MAX_STARTS)),
+            "end_s": float(st["arrival_s"][-1] - starts[0]),  # the trace's window, from its first unit's start
+        },
         "units": rows,
         "describe": describe(st, inp, out),
         "kinds": {name: float(np.mean(kind == k)) for k, name in enumerate(KIND_NAMES)},

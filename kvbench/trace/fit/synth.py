@@ -47,19 +47,26 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     kept, first = np.unique(unit[by_unit], return_index=True)
     members = dict(zip(kept.tolist(), np.split(by_unit, first[1:])))
     root = np.asarray([layout.paths[members[u][0]][:1].sum() for u in kept.tolist()])  # first block of each unit
+    duration = np.asarray([rows[members[u], OFFSET].max() for u in kept.tolist()])
     total = max(1, int(round(model["units"] * scale)))
     copies = int(np.ceil(total / model["units"]))
     layout.fresh = copies * layout.nodes
-    # The copies' unit starts are one arrival process at K times the rate, dealt to the copies in turn: each
-    # copy's units arrive as the trace's did, and the copies are interleaved as evenly as K users' traffic is
-    slots = arrivals(params["unit_arrival"], copies * model["units"], rng)
+    # Unit starts come from the empirical quantile function of the trace's (its start times themselves, up to
+    # MAX_STARTS units): copy k of K takes it at fractional positions j + k/K, so one copy starts its units when
+    # the trace did, with the trace's rate and bursts, and K copies interleave their starts evenly between those
+    quantile = np.asarray(params["unit_arrival"]["starts_s"], dtype=np.float64)
+    slots = [
+        np.interp((np.arange(model["units"]) + copy / copies) * (quantile.size - 1) / max(model["units"] - 1, 1),
+                  np.arange(quantile.size), quantile)
+        for copy in range(copies)
+    ]  # fmt: skip
     times, picked, paths = [], [], []
     for copy in range(copies):
         count = min(model["units"], total - copy * model["units"])
-        drawn, repeat = draws(kept, root, count, rng)
-        starts = slots[copy::copies]
+        starts = slots[copy]
         if count < starts.size:  # a fraction of a copy: as many of its slots, spread over the span
             starts = np.sort(rng.choice(starts, size=count, replace=False))
+        drawn, repeat = draws(kept, root, duration, starts, params["unit_arrival"]["end_s"], rng)
         for u, again, t0 in zip(drawn.tolist(), repeat.tolist(), starts.tolist()):
             m = members[u]
             times.append(t0 + rows[m, OFFSET])

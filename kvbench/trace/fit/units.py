@@ -14,10 +14,10 @@ prompt or document) starts or joins a unit by those links only: the prefix it sh
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import pyarrow as pa
-
-from kvbench.trace.fit.model import EXTEND
 
 ROW_COLUMNS = ("unit", "offset_s", "parent", "shared_blocks", "new_blocks", "input_tokens", "output_tokens",
                "tenant", "workload")  # fmt: skip
@@ -64,12 +64,13 @@ def _named_links(table: pa.Table) -> list[tuple[int, int]]:
     return [(a, b) for a, b in links if 0 <= a < n and 0 <= b < n]
 
 
-def units_of(table: pa.Table, st: dict) -> np.ndarray:
-    """Unit per request, numbered by first arrival."""
+def units_of(table: pa.Table, extends: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """Unit per request, numbered by first arrival, given which requests extend their `parent` (model.structure
+    reads both off the block ids)."""
     n = table.num_rows
     u = _Union(n)
-    for i in np.flatnonzero(st["kind"] == EXTEND).tolist():
-        u.join(i, int(st["parent"][i]))
+    for i in np.flatnonzero(extends).tolist():
+        u.join(i, int(parent[i]))
     for a, b in _named_links(table):
         u.join(a, b)
     roots = np.fromiter((u.find(i) for i in range(n)), dtype=np.int64, count=n)
@@ -104,11 +105,11 @@ def _kept(unit: np.ndarray, parent: np.ndarray, rng: np.random.Generator) -> tup
     return rows, chosen[unit[rows]]
 
 
-def unit_model(table: pa.Table, st: dict, tenants: list[str], workloads: list[str], rng) -> tuple[dict, np.ndarray]:
+def unit_model(table: pa.Table, st: dict, extends, tenants: list[str], workloads: list[str], rng):
     """The units' requests as rows of ROW_COLUMNS, in arrival order (`parent` indexes these rows, -1 for none;
     `unit` is -1 for a row kept only because a kept row's prefix comes from it), the number of units in the
     trace; and the units' start times (s), for the caller to fit their arrival process."""
-    unit = units_of(table, st)
+    unit = units_of(table, extends, st["parent"])
     arrival, parent = st["arrival_s"], st["parent"]
     start = np.full(int(unit.max()) + 1, np.inf)
     np.minimum.at(start, unit, arrival)
@@ -168,25 +169,36 @@ class Layout:
         return [mine[r] for r in members.tolist()]
 
 
-def draws(units: np.ndarray, group: np.ndarray, count: int, rng: np.random.Generator):
-    """`count` unit draws for one copy of the users, in the order they start: the kept units (numbered by their
-    first request, so in the order they started), each once as in the trace, exchanged at random only with units
-    of the same `group` (those that start on the same root block: the same application's system prompt) that
-    started in the same tenth of that order; then, when fewer units were kept than the trace has, further draws
-    with replacement. Exchanging only within a tenth keeps what a trace's window does to its units (those that
-    start late are cut short by its end; those that started early hold the history later ones reuse), and only
-    within a group, what each application's share of the traffic was when. Returns (units, whether each is a
-    repeat within the copy)."""
-    pick = np.sort(np.arange(units.size) if count >= units.size else rng.choice(units.size, size=count, replace=False))
-    order, kin = units[pick], group[pick]
-    tenth = (np.arange(order.size) * TENTHS) // max(order.size, 1)
-    first = order.copy()
+def draws(units, group, duration, slots: np.ndarray, end: float, rng: np.random.Generator):
+    """Which unit starts at each of `slots` (ascending start times, s) in one copy of the users: the kept units
+    (numbered by their first request, so in the order they started), each once as in the trace (a random subset
+    for fewer slots; when fewer units were kept than the trace has, further draws with replacement, each beside
+    its unit), then exchanged at random only among units of the same `group` (those that start on the same root
+    block: one application's system prompt) in the same tenth of that order, and only where a unit's `duration`
+    (s, first to last request) still ends by `end`, the trace's span, where it can. The tenth keeps what a
+    trace's window does to its units (those that start early hold the history later ones reuse), the group each
+    application's share of the traffic over time, the end that a unit cut short by the window is not moved to
+    where it would run past it. Returns (units, whether each is a repeat within the copy), one per slot."""
+    count = slots.size
+    if count <= units.size:
+        nominal = np.sort(rng.choice(units.size, size=count, replace=False))
+    else:
+        nominal = np.sort(np.concatenate([np.arange(units.size), rng.choice(units.size, count - units.size)]))
+    tenth = (np.arange(count) * TENTHS) // max(count, 1)
+    placed = nominal.copy()
+    kin = group[nominal]
     for key in np.unique(np.stack([tenth, kin]), axis=1).T:
         at = np.flatnonzero((tenth == key[0]) & (kin == key[1]))
-        first[at] = order[rng.permutation(at)]
-    more = rng.choice(units, size=max(count - first.size, 0), replace=True)
-    # a repeat takes a slot near where its unit's first draw is: by rank among the units, in the order they start
-    rank = np.concatenate([np.arange(first.size), np.searchsorted(order, more) + 0.5]) / max(order.size, 1)
-    drawn, again = np.concatenate([first, more]), np.arange(first.size + more.size) >= first.size
-    at = np.argsort(rank, kind="stable")
-    return drawn[at], again[at]
+        pool = sorted(nominal[at].tolist(), key=lambda q: duration[q])  # shortest first
+        lengths = [float(duration[q]) for q in pool]
+        for p in at[::-1].tolist():  # latest slot first: it has the least room before the end
+            fits = bisect.bisect_right(lengths, end - slots[p])
+            j = int(rng.integers(fits)) if fits else 0
+            placed[p] = pool.pop(j)
+            lengths.pop(j)
+    seen: set[int] = set()
+    again = np.zeros(count, dtype=bool)
+    for p, q in enumerate(placed.tolist()):
+        again[p] = q in seen
+        seen.add(q)
+    return units[placed], again
