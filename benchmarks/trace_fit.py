@@ -69,7 +69,8 @@ def measure(name: str, path: Path, work: Path, seed: int, scale: float) -> dict:
     twin = work / f"{name}-twin-{seed}-x{scale:g}.parquet"
     started = time.monotonic()
     kvbench("trace", "fit", str(path), "-o", str(twin), "--seed", str(seed), "--scale", f"{scale:g}")
-    fid = json.loads(twin.with_suffix(".params.json").read_text())["fidelity"]
+    params = json.loads(twin.with_suffix(".params.json").read_text())
+    fid = params["fidelity"]
     off = [g for g, v in fid["statistics"].items() if v["worst_ratio"] > 1]
     return {
         "trace": name,
@@ -82,6 +83,7 @@ def measure(name: str, path: Path, work: Path, seed: int, scale: float) -> dict:
         "curve": fid["curve"],
         "faithful": fid["faithful"],
         "statistics_off": off,
+        "moved_share": params["placement"]["moved_share"],
     }
 
 
@@ -167,7 +169,8 @@ def main() -> None:
                 runs.append(r)
                 print(
                     f"{name:26s} x{scale:g}  infinite-cache gap {r['infinite_cache_gap']:.4f}  "
-                    f"curve gap {r['max_curve_gap']:.4f}  off: {', '.join(r['statistics_off']) or '-'}",
+                    f"curve gap {r['max_curve_gap']:.4f}  moved {r['moved_share']:4.0%}  "
+                    f"off: {', '.join(r['statistics_off']) or '-'}",
                     flush=True,
                 )
     finally:

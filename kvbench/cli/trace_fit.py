@@ -84,7 +84,12 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
 
     _say(f"generating the twin (scale {scale:g}, seed {seed})…")
     slow = scale > 1 and table.num_rows * scale > 5e4  # progress is by copy of the users
-    twin = synth.synthesize(params, scale=scale, seed=seed, progress=progress if slow else None)
+    placement: dict = {}
+    twin = synth.synthesize(params, scale=scale, seed=seed, progress=progress if slow else None, info=placement)
+    # how new the twin is: a trace of few units alike gives a twin close to a renamed copy, and the user should
+    # know (docs/semantics.md, What a twin preserves)
+    params["placement"] = placement
+    _say(f"  {placement['units']:,} units placed, {placement['moved_share']:.0%} of them at another unit's start")
     check(twin, meta.block_size, f"twin of {src}")  # a twin that would not replay is kvbench's bug: say so
     out = Path(out)
     source = {"generator": "trace-fit", "fitted_from": str(src), "scale": scale, "seed": seed}
@@ -110,6 +115,7 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
             "infinite_cache_gap": fid["infinite_cache"]["gap_steady"],
             "max_curve_gap": fid["max_curve_gap_steady"],
             "faithful": fid["faithful"],
+            "moved_share": placement["moved_share"],
         }
         write_trace(twin, out, new_meta(meta.block_size, source))
         if warning:
@@ -119,9 +125,7 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     report_dir = Path(report_dir) if report_dir else out.with_suffix(".report")
     _say("writing the report…")
     try:
-        paths = report.write(
-            report_dir, f"Synthetic twin of {src.name}", params, table, twin, st_orig, st_twin, fid
-        )
+        paths = report.write(report_dir, f"Synthetic twin of {src.name}", params, table, twin, st_orig, st_twin, fid)
     except ValueError as exc:
         raise KvbenchError(f"{report_dir}: could not write the report ({exc})") from None
     _say(f"wrote {params_path}, {paths[0]}, {paths[1]} in {time.monotonic() - started:.1f} s")

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from kvbench.trace.blockhash import content_ids, name_key
 from kvbench.trace.fit.model import draw, sessions_of, structure
-from kvbench.trace.fit.units import INPUT, NCOL, OFFSET, OUTPUT, TENANT, UNIT, WORKLOAD, Layout, draws
+from kvbench.trace.fit.units import INPUT, NCOL, NEW, OFFSET, OUTPUT, TENANT, UNIT, WORKLOAD, Layout, draws
 
 
 def arrivals(arrival: dict, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -33,8 +33,9 @@ def arrivals(arrival: dict, n: int, rng: np.random.Generator) -> np.ndarray:
     return np.maximum.accumulate(np.interp(u, cum, edges))
 
 
-def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -> pa.Table:
-    """The twin as a trace table: round(units x scale) units, as many requests as those units hold."""
+def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None, info: dict | None = None) -> pa.Table:
+    """The twin as a trace table: round(units x scale) units, as many requests as those units hold. `info`, when
+    given, receives how many units were placed and the share of them that moved to another unit's start."""
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
     rng = np.random.default_rng(seed)
@@ -48,6 +49,9 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
     members = dict(zip(kept.tolist(), np.split(by_unit, first[1:])))
     root = np.asarray([layout.paths[members[u][0]][:1].sum() for u in kept.tolist()])  # first block of each unit
     duration = np.asarray([rows[members[u], OFFSET].max() for u in kept.tolist()])
+    # units alike are exchanged: same root block (application), same octave of new blocks (work they bring)
+    work = np.floor(np.log2(np.maximum([rows[members[u], NEW].sum() for u in kept.tolist()], 1)))
+    group = np.unique(np.stack([root, work]), axis=1, return_inverse=True)[1].ravel()
     total = max(1, int(round(model["units"] * scale)))
     copies = int(np.ceil(total / model["units"]))
     layout.fresh = copies * layout.nodes
@@ -61,12 +65,14 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
         for copy in range(copies)
     ]  # fmt: skip
     times, picked, paths = [], [], []
+    placed = exchanged = 0
     for copy in range(copies):
         count = min(model["units"], total - copy * model["units"])
         starts = slots[copy]
         if count < starts.size:  # a fraction of a copy: as many of its slots, spread over the span
             starts = np.sort(rng.choice(starts, size=count, replace=False))
-        drawn, repeat = draws(kept, root, duration, starts, params["unit_arrival"]["end_s"], rng)
+        drawn, repeat, moved = draws(kept, group, duration, starts, params["unit_arrival"]["end_s"], rng)
+        placed, exchanged = placed + drawn.size, exchanged + moved
         for u, again, t0 in zip(drawn.tolist(), repeat.tolist(), starts.tolist()):
             m = members[u]
             times.append(t0 + rows[m, OFFSET])
@@ -74,6 +80,8 @@ def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None) -
             paths.extend(layout.occurrence(m, copy, again))
         if progress is not None:
             progress(copy + 1, copies)
+    if info is not None:
+        info.update(units=placed, moved_share=exchanged / max(placed, 1))
     t = np.concatenate(times)
     picked = np.concatenate(picked)
     order = np.argsort(t, kind="stable")

@@ -178,7 +178,8 @@ def draws(units, group, duration, slots: np.ndarray, end: float, rng: np.random.
     (s, first to last request) still ends by `end`, the trace's span, where it can. The tenth keeps what a
     trace's window does to its units (those that start early hold the history later ones reuse), the group each
     application's share of the traffic over time, the end that a unit cut short by the window is not moved to
-    where it would run past it. Returns (units, whether each is a repeat within the copy), one per slot."""
+    where it would run past it. Returns (units, whether each is a repeat within the copy) per slot, and how many
+    slots hold another unit than their own."""
     count = slots.size
     if count <= units.size:
         nominal = np.sort(rng.choice(units.size, size=count, replace=False))
@@ -198,7 +199,8 @@ def draws(units, group, duration, slots: np.ndarray, end: float, rng: np.random.
             lengths.pop(j)
     seen: set[int] = set()
     again = np.zeros(count, dtype=bool)
+    moved = int(np.count_nonzero(placed != nominal))
     for p, q in enumerate(placed.tolist()):
         again[p] = q in seen
         seen.add(q)
-    return units[placed], again
+    return units[placed], again, moved
