@@ -24,8 +24,9 @@ def _say(message: str) -> None:
     type=click.FloatRange(min=0, min_open=True),
     default=1.0,
     show_default=True,
-    help="K: a twin with K times the requests and K times the arrival rate over the same duration (seconds), each "
-    "user behaving as in TRACE (same turns per conversation, same reuse distances in seconds)",
+    help="K: K copies of TRACE's users (K times the units and the arrival rate over the same duration; a fraction "
+    "of a copy for a fractional K), each copy with its own block ids and each user behaving as in TRACE (same "
+    "turns, same offsets in seconds)",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="random seed: the same seed gives the same twin")
 @click.option(
@@ -54,10 +55,11 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     trees: requests tied by continuing a whole earlier prompt, or by a session_id, parent_id or depends_on the
     trace names), each kept whole with its requests' offsets, lengths and prefix-tree links (which request's
     prefix, how many blocks of it, how many new blocks); what units share (system prompts, documents) stays
-    shared; and the arrival process of unit starts (rate over time, burstiness). The twin draws the units each
-    once, exchanged only within their tenth of the trace and their root prompt, on start times drawn from the
-    fitted process; K copies of the users for --scale K, each with its own block ids. Salts and LoRA adapters
-    are folded into the block ids first, as a replay folds them. The self-check replays TRACE and the twin and
+    shared; and when units start. The twin places the units, each once, on the trace's own unit start times,
+    exchanging units only with units alike (same tenth of the trace, same root prompt, same octave of new
+    blocks) where they still end inside the trace's window; it prints the share of units it moved. --scale K
+    makes K copies of the users, each with its own block ids. Salts and LoRA adapters are folded into the block
+    ids first, as a replay folds them. The self-check replays TRACE and the twin and
     warns, naming the statistic that is off, when the twin misses its targets (infinite-cache gap 0.02, curve
     gap 0.03).
     """

@@ -328,3 +328,31 @@ def test_a_subsampled_fit_keeps_whole_units_and_the_prefixes_they_share(seed, mo
     )
     roots = {r[0] for r in twin.column("block_hashes").to_pylist()}
     assert len(roots) == 1
+
+
+def test_twin_places_each_unit_once_keeping_its_timing(seed):
+    table = _known(seed)  # 40 conversations of 5 turns, all on one root prompt, alike in the work they bring
+    params, _ = fit(table, 16)
+    info: dict = {}
+    twin = synthesize(params, seed=seed, info=info)
+    # every conversation placed once; some at another's start (they are alike), the rest at their own
+    assert info["units"] == 40 and 0 < info["moved_share"] <= 1
+
+    def gaps(t):
+        s = session_stats(
+            np.unique(t.column("session_id").to_numpy(zero_copy_only=False), return_inverse=True)[1],
+            t.column("arrival_s").to_numpy(),
+        )
+        return s["sessions"], s["turn_gap_s"]
+
+    (n0, g0), (n1, g1) = gaps(_with_sessions(table)), gaps(twin)
+    assert n1 == n0 == 40 and g1 == pytest.approx(g0, abs=1e-5)  # turn gaps kept exactly (as quantiles)
+    # the twin's start times are the trace's own: the same first arrivals of conversations
+    first = np.sort(twin.column("arrival_s").to_numpy())[:40]
+    t = table.column("arrival_s").to_numpy()
+    assert first == pytest.approx(t[:40] - t[0], abs=1e-5)
+
+
+def _with_sessions(table: pa.Table) -> pa.Table:
+    """_known's trace with each conversation named (request i is conversation i mod 40)."""
+    return table.append_column("session_id", pa.array([f"c{i % 40}" for i in range(table.num_rows)]))

@@ -1,11 +1,10 @@
-"""A synthetic twin from fitted parameters (`model.fit`): the trace's units laid out on fitted unit arrivals.
+"""A synthetic twin from fitted parameters (`model.fit`): the trace's units placed on the trace's unit starts.
 
-Each copy of the users (a K-times twin has K) draws the trace's units (kvbench/trace/fit/units.py) in a random
-order, each once, and gives them start times drawn from the fitted arrival process of unit starts: the rate over
-the trace's span and the burstiness left once the rate is taken out. A unit's requests keep their offsets from
-its start, their lengths and their block paths, rebuilt with ids of the copy's own, so a conversation's turns
-and a task's forks stay as far apart as they were; what units share (a system prompt, a document) is shared by
-the copy's units wherever they land in time (docs/semantics.md, Fitting a synthetic twin).
+Each copy of the users (a K-times twin has K) places the trace's units (kvbench/trace/fit/units.py), each once,
+on the trace's own unit start times, exchanging units only with units alike (`units.draws`). A unit's requests
+keep their offsets from its start, their lengths and their block paths, rebuilt with ids of the copy's own, so a
+conversation's turns and a task's forks stay as far apart as they were; what units share (a system prompt, a
+document) is shared by the copy's units wherever they land in time (docs/semantics.md, Fitting a synthetic twin).
 """
 
 from __future__ import annotations
@@ -14,23 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.trace.blockhash import content_ids, name_key
-from kvbench.trace.fit.model import draw, sessions_of, structure
+from kvbench.trace.fit.model import sessions_of, structure
 from kvbench.trace.fit.units import INPUT, NCOL, NEW, OFFSET, OUTPUT, TENANT, UNIT, WORKLOAD, Layout, draws
-
-
-def arrivals(arrival: dict, n: int, rng: np.random.Generator) -> np.ndarray:
-    """n arrival times (s): gaps drawn with the fitted burstiness in rescaled time, mapped through the fitted
-    cumulative rate curve, so n arrivals span the fitted duration whatever n is."""
-    edges = np.asarray(arrival["bin_edges_s"], dtype=np.float64)
-    cum = np.asarray(arrival["cumulative_requests"], dtype=np.float64)
-    if n <= 1 or cum[-1] <= 0 or edges[-1] <= 0:
-        return np.zeros(n)
-    gaps = np.maximum(draw(arrival["rescaled_gaps"], rng, n - 1, discrete=False), 0.0)
-    if gaps.sum() <= 0:
-        gaps = np.ones(n - 1)
-    u = np.concatenate([[0.0], np.cumsum(gaps)])
-    u *= cum[-1] / u[-1]
-    return np.maximum.accumulate(np.interp(u, cum, edges))
 
 
 def synthesize(params: dict, scale: float = 1.0, seed: int = 0, progress=None, info: dict | None = None) -> pa.Table:

@@ -3,8 +3,8 @@
 What decides a prefix cache's hit rates is inside these units (a conversation's next turn continues its last
 prompt seconds or minutes later; sub-agents fork from their task's context) and between them only through
 prefixes many of them share (system prompts, documents, tool definitions). So the fit cuts the trace into units
-and keeps each one's requests as they are, relative to the unit's start; the twin lays units out on a fitted
-arrival process of unit starts (docs/semantics.md, Fitting a synthetic twin).
+and keeps each one's requests as they are, relative to the unit's start; the twin places units on the trace's
+own unit start times, exchanging units alike (docs/semantics.md, Fitting a synthetic twin).
 
 A unit is a connected set of requests under the links the trace shows: a request that continues its parent's
 whole prompt (an *extend*: a next turn, a retry, a fork off the full context), and, where the trace names them,
