@@ -18,6 +18,8 @@ import bisect
 
 import numpy as np
 import pyarrow as pa
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
 
 ROW_COLUMNS = ("unit", "offset_s", "parent", "shared_blocks", "new_blocks", "input_tokens", "output_tokens",
                "tenant", "workload")  # fmt: skip
@@ -25,28 +27,10 @@ TENTHS = 10  # units are exchanged only with those of the same tenth of the trac
 MAX_ROWS = 40_000  # rows kept: whole units drawn uniformly past that, plus the requests their prefixes come from
 
 
-class _Union:
-    def __init__(self, n: int) -> None:
-        self.up = np.arange(n)
-
-    def find(self, a: int) -> int:
-        root = a
-        while self.up[root] != root:
-            root = self.up[root]
-        while self.up[a] != root:
-            self.up[a], a = root, self.up[a]
-        return int(root)
-
-    def join(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.up[max(ra, rb)] = min(ra, rb)
-
-
 def _named_links(table: pa.Table) -> list[tuple[int, int]]:
     """Pairs of rows the trace itself ties together: one session_id, or a parent_id / depends_on naming a row."""
     n, links = table.num_rows, []
-    names = table.column("request_id").to_pylist()
+    names = table.column("request_id").to_pylist() if "request_id" in table.column_names else []
     index = {r: i for i, r in enumerate(names)}
     if "session_id" in table.column_names:
         first: dict[str, int] = {}
@@ -54,7 +38,7 @@ def _named_links(table: pa.Table) -> list[tuple[int, int]]:
             if s is not None and s != "":
                 links.append((first.setdefault(s, i), i))
     for column in ("parent_id", "depends_on"):
-        if column not in table.column_names:
+        if column not in table.column_names or not index:
             continue
         for i, v in enumerate(table.column(column).to_pylist()):
             for name in v if isinstance(v, list) else [v]:
@@ -66,15 +50,15 @@ def _named_links(table: pa.Table) -> list[tuple[int, int]]:
 
 def units_of(table: pa.Table, extends: np.ndarray, parent: np.ndarray) -> np.ndarray:
     """Unit per request, numbered by first arrival, given which requests extend their `parent` (model.structure
-    reads both off the block ids)."""
+    reads both off the block ids): the connected components of the links."""
     n = table.num_rows
-    u = _Union(n)
-    for i in np.flatnonzero(extends).tolist():
-        u.join(i, int(parent[i]))
-    for a, b in _named_links(table):
-        u.join(a, b)
-    roots = np.fromiter((u.find(i) for i in range(n)), dtype=np.int64, count=n)
-    _, first, inverse = np.unique(roots, return_index=True, return_inverse=True)
+    child = np.flatnonzero(extends)
+    named = np.asarray(_named_links(table), dtype=np.int64).reshape(-1, 2)
+    a = np.concatenate([parent[child], named[:, 0]])
+    b = np.concatenate([child, named[:, 1]])
+    graph = coo_matrix((np.ones(a.size, dtype=np.int8), (a, b)), shape=(n, n))
+    _, component = connected_components(graph, directed=False)
+    _, first, inverse = np.unique(component, return_index=True, return_inverse=True)
     return np.argsort(np.argsort(first))[inverse]  # units renumbered in order of their first request
 
 
