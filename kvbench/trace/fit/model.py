@@ -6,8 +6,8 @@ already had (the depth at which it attaches to the prefix tree), the *parent* (t
 holding its last shared block; equal chained id means equal prefix), how many requests held that block before
 (its popularity), how many blocks the parent has past it, how many distinct blocks were touched between the
 parent and the request (the LRU stack distance of the shared prefix) and how many seconds (the reuse
-distance). Requests are also read as fresh, extend (a conversation's next turn) or branch, for the report and
-for the sessions the block ids show.
+distance). Requests are also read as fresh, extend (a conversation's next turn) or branch: extends tie requests
+into the units the twin keeps whole (units.py). `fit` gathers the parameters.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LEVELS = 201  # quantile levels stored per distribution: 0.5% steps, enough to k
 MODEL_VERSION = 3
 MAX_STARTS = 40_000  # unit start times kept exactly up to this many units, as that many quantiles past it
 MOST_USED = 50  # shared prefixes listed by name in the parameters, most branched-off first
-MODEL_NOTE = "units resampled whole on fitted unit arrivals (kvbench/trace/fit/units.py)"
+MODEL_NOTE = "units kept whole, placed on the trace's unit start times among units alike (kvbench/trace/fit/)"
 
 
 def quantiles(values, levels: int = LEVELS) -> list[float]:
@@ -36,23 +36,9 @@ def quantiles(values, levels: int = LEVELS) -> list[float]:
     return [float(q) for q in np.quantile(values, np.linspace(0.0, 1.0, levels))]
 
 
-def draw(table: list[float], rng: np.random.Generator, n: int, discrete: bool) -> np.ndarray:
-    """n draws from a quantile table by inverse transform. Counts (`discrete`) take the quantile at or below the
-    uniform draw, so a value that a third of the requests have is drawn a third of the time; continuous values
-    (times) interpolate between quantiles."""
-    q = np.asarray(table, dtype=np.float64)
-    if q.size == 0:
-        return np.zeros(n)
-    u = rng.random(n) * (q.size - 1)
-    if discrete:
-        return q[np.minimum(np.floor(u + 0.5).astype(np.int64), q.size - 1)]
-    return np.interp(u, np.arange(q.size), q)
-
-
 class Recency:
     """Blocks by the request that last touched them, as a Fenwick tree over request indices: how many distinct
-    blocks were touched after a given request (its blocks' LRU stack distance) in O(log n), and the request
-    after which a given number of distinct blocks were touched."""
+    blocks were touched after a given request (its blocks' LRU stack distance) in O(log n)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -77,17 +63,6 @@ class Recency:
     def after(self, request: int) -> int:
         """Distinct blocks touched after `request`: the stack distance of the blocks it last touched."""
         return self.total - self.held_up_to(request)
-
-    def request_at(self, distance: float) -> int:
-        """The latest request with at least `distance` distinct blocks touched after it (-1 if none is)."""
-        limit, pos, bit = self.total - distance, 0, 1 << self.n.bit_length()
-        acc = 0
-        while bit:
-            nxt = pos + bit
-            if nxt <= self.n and acc + self.tree[nxt] <= limit:
-                pos, acc = nxt, acc + self.tree[nxt]
-            bit >>= 1
-        return pos - 1  # pos = requests 0..pos-1 hold at most `limit` blocks
 
 
 def structure(table: pa.Table) -> dict:
