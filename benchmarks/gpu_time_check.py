@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from kvbench.backends.enginesim.operators import OperatorModel
 from kvbench.backends.enginesim.roofline import LatencyModel
+
 from kvbench.cache.capacity import MODELS, ModelGeometry
 from kvbench.hardware import HARDWARE
 
@@ -86,7 +86,10 @@ def layer_kernels(torch, ops: OperatorModel, tokens: int, device: str):
     h = torch.randn(tokens, m.hidden, device=device, dtype=dt)
     norm_w = torch.ones(m.hidden, device=device, dtype=dt)
     q = torch.randn(tokens, (m.heads + m.kv_heads) // ops.tp or 1, hd, device=device, dtype=dt)
-    cos, sin = torch.randn(tokens, 1, hd // 2, device=device, dtype=dt), torch.randn(tokens, 1, hd // 2, device=device, dtype=dt)
+    cos, sin = (
+        torch.randn(tokens, 1, hd // 2, device=device, dtype=dt),
+        torch.randn(tokens, 1, hd // 2, device=device, dtype=dt),
+    )
     width = ops.gemms["mlp_down"][1]
     gate_up = torch.randn(tokens, 2 * width, device=device, dtype=dt)
 
@@ -130,7 +133,8 @@ def check_kernels(torch, hw, device: str, deadline: float) -> dict:
 
     every = tuple(rows[0]["measured"]) if rows else ()
     return {"rows": rows, "gemm_ge64": mape(gemms, True), "gemm_lt64": mape(gemms, False),
-            "layer_ge64": mape(every, True), "layer_lt64": mape(every, False), "complete": len(rows) == len(configs) * len(tokens_grid)}  # fmt: skip
+            "layer_ge64": mape(every, True), "layer_lt64": mape(every, False),
+            "complete": len(rows) == len(configs) * len(tokens_grid)}  # fmt: skip
 
 
 def check_e2e(hw, deadline: float) -> dict:
@@ -146,7 +150,8 @@ def check_e2e(hw, deadline: float) -> dict:
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden,
                   "intermediate_size": m.intermediate, "num_attention_heads": m.heads, "num_hidden_layers": m.layers,
                   "num_key_value_heads": m.kv_heads, "vocab_size": m.vocab, "max_position_embeddings": 2048,
-                  "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False}  # fmt: skip
+                  "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+                  "tie_word_embeddings": False}  # fmt: skip
         Path(tmp, "config.json").write_text(json.dumps(config))
         code = f"""
 import json, time, numpy as np

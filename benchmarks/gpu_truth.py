@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from kvbench.backends.enginesim.operators import OperatorModel
 from scipy.optimize import least_squares
 
-from kvbench.backends.enginesim.operators import OperatorModel
 from kvbench.cache.capacity import ModelGeometry
 from kvbench.hardware import HARDWARE
 
@@ -146,7 +146,8 @@ def linear_report(rows, hw) -> dict:
                        for j, k in enumerate(KERNELS.values())},
         "per_model_tp": by_tp,
         "worst": [{"model": rows[i]["model"], "tp": rows[i]["tp"], "tokens": int(tokens[i]),
-                   "measured_us": round(float(meas[i].sum()) * 1e6, 1), "predicted_us": round(float(pred[i].sum()) * 1e6, 1),
+                   "measured_us": round(float(meas[i].sum()) * 1e6, 1),
+                   "predicted_us": round(float(pred[i].sum()) * 1e6, 1),
                    "error": round(float(err[i]), 3)} for i in worst],
     }  # fmt: skip
 
@@ -205,12 +206,19 @@ def main(argv=None) -> int:
                 part = d["num_workers"].to_numpy() == n
                 refit = dataclasses.replace(hw, **{k: v for k, v in fit(rows, d.filter(part), hw).items()
                                                    if k in COMM_TERMS})  # fmt: skip
-                pred[part], terms[int(n)] = allreduce_predict(d.filter(part), refit), {k: getattr(refit, k) for k in COMM_TERMS}
+                pred[part], terms[int(n)] = (
+                    allreduce_predict(d.filter(part), refit),
+                    {k: getattr(refit, k) for k in COMM_TERMS},
+                )
             t, n = d["time_stats.all_reduce.median"].to_numpy() * 1e-3, d["num_workers"].to_numpy()
             err = pred / t - 1
             result["allreduce_mape"][name] = {
-                "mape": _mape(err), "rows": len(t), "per_devices": {int(k): _mape(err[n == k]) for k in np.unique(n)},
-                "terms": terms, "note": "refitted per device count: not the h100 preset's machine"}
+                "mape": _mape(err),
+                "rows": len(t),
+                "per_devices": {int(k): _mape(err[n == k]) for k in np.unique(n)},
+                "terms": terms,
+                "note": "refitted per device count: not the h100 preset's machine",
+            }
     if args.fit:
         result["refit"] = fit(rows, dgx, hw)
     result["seconds"] = round(time.time() - started, 1)
@@ -224,12 +232,17 @@ def main(argv=None) -> int:
         print(f"  {k:20s} ≥64 {v['ge64']:6.1%}  <64 {v['lt64']:6.1%}")
     for k, v in lin["per_model_tp"].items():
         print(f"  {k:26s} ≥64 {v['ge64']:6.1%}  <64 {v['lt64']:6.1%}")
-    print("  worst:", ", ".join(f"{w['model']} tp{w['tp']} {w['tokens']} tok {w['error']:+.0%}" for w in lin["worst"][:4]))
+    print(
+        "  worst:", ", ".join(f"{w['model']} tp{w['tp']} {w['tokens']} tok {w['error']:+.0%}" for w in lin["worst"][:4])
+    )
     for k, v in held.items():
         print(f"  held out ({k}): ≥64 {v['ge64']:.1%}, <64 {v['lt64']:.1%}")
     for name, v in result["allreduce_mape"].items():
         per = ", ".join(f"{n} GPUs {m:.1%}" for n, m in v["per_devices"].items())
-        print(f"all-reduce {name}, {v['rows']} sizes: MAPE {v['mape']:.1%} ({per})" + (" [refitted]" if "terms" in v else ""))
+        print(
+            f"all-reduce {name}, {v['rows']} sizes: MAPE {v['mape']:.1%} ({per})"
+            + (" [refitted]" if "terms" in v else "")
+        )
     if args.fit:
         print("refit:", ", ".join(f"{k}={v:.4g}" for k, v in result["refit"].items()))
     print("targets met:", met)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-
 from kvbench.backends.enginesim import EngineSimBackend
+
 from kvbench.trace.files import TraceMeta, conform
 
 BLOCK = 16
@@ -38,28 +38,55 @@ SHAREGPT_MEANS = (231, 195)  # input, output tokens per request (see the docstri
 
 # name: (published value, metric, unit, the deployment, the workload, the vLLM settings, what the figure includes)
 FIGURES = [
-    {"name": "vLLM nightly latency_llama70B_tp4", "published": 2077.53, "metric": "batch_latency_ms",
-     "engine": {"model": "llama3-70b", "hardware": "h200", "tp": 4}, "workload": ("fixed", 8, 32, 128),
-     "source": "buildkite.com/vllm/performance-benchmark/builds/9515 (Latency tests)",
-     "includes": "one engine, no queueing: kernels, sampling and the scheduler's CPU time per step"},
+    {
+        "name": "vLLM nightly latency_llama70B_tp4",
+        "published": 2077.53,
+        "metric": "batch_latency_ms",
+        "engine": {"model": "llama3-70b", "hardware": "h200", "tp": 4},
+        "workload": ("fixed", 8, 32, 128),
+        "source": "buildkite.com/vllm/performance-benchmark/builds/9515 (Latency tests)",
+        "includes": "one engine, no queueing: kernels, sampling and the scheduler's CPU time per step",
+    },
 ]
 for version, tpot, tput, batched, note in (
-    ("v0.5.4", 125.78, 1491.93, 512, "chunked prefill (512-token budget); the page names CPU overhead as this "
-     "version's bottleneck"),
+    (
+        "v0.5.4",
+        125.78,
+        1491.93,
+        512,
+        "chunked prefill (512-token budget); the page names CPU overhead as this version's bottleneck",
+    ),
     ("v0.6.0", 102.99, 2291.0, 2048, "no chunked prefill, one scheduler step per token"),
     ("v0.6.0, 10 scheduler steps", 61.10, 3542.88, 2048, "10 decode steps per scheduling: least CPU time"),
 ):
-    base = {"engine": {"deployment": "llama3-70b-4xh100", "max_num_seqs": 256, "max_num_batched_tokens": batched},
-            "workload": ("sharegpt", 5000), "includes": note,
-            "source": f"LambdaLabsML/vllm-benchmark benchmark_v0.md, Llama 3.1 70B tp=4, vLLM {version}"}
-    FIGURES.append(base | {"name": f"Lambda 70B TP4 H100 {version}: median TPOT", "published": tpot,
-                           "metric": "tpot_p50_ms"})
-    FIGURES.append(base | {"name": f"Lambda 70B TP4 H100 {version}: output throughput", "published": tput,
-                           "metric": "output_tokens_per_s"})
-FP8 = {"engine": {"deployment": "llama3-70b-4xh100", "weight_dtype": "fp8", "max_num_seqs": 256,
-                  "max_num_batched_tokens": 512}, "workload": ("sharegpt", 320),
-       "source": "LambdaLabsML/vllm-benchmark benchmark_v0.md, TP table (320 prompts), Llama 3.1 70B FP8, 4xH100",
-       "includes": "vLLM v0.5.4; fp8 GEMMs were not measured, so the datasheet roofline costs them"}
+    base = {
+        "engine": {"deployment": "llama3-70b-4xh100", "max_num_seqs": 256, "max_num_batched_tokens": batched},
+        "workload": ("sharegpt", 5000),
+        "includes": note,
+        "source": f"LambdaLabsML/vllm-benchmark benchmark_v0.md, Llama 3.1 70B tp=4, vLLM {version}",
+    }
+    FIGURES.append(
+        base | {"name": f"Lambda 70B TP4 H100 {version}: median TPOT", "published": tpot, "metric": "tpot_p50_ms"}
+    )
+    FIGURES.append(
+        base
+        | {
+            "name": f"Lambda 70B TP4 H100 {version}: output throughput",
+            "published": tput,
+            "metric": "output_tokens_per_s",
+        }
+    )
+FP8 = {
+    "engine": {
+        "deployment": "llama3-70b-4xh100",
+        "weight_dtype": "fp8",
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 512,
+    },
+    "workload": ("sharegpt", 320),
+    "source": "LambdaLabsML/vllm-benchmark benchmark_v0.md, TP table (320 prompts), Llama 3.1 70B FP8, 4xH100",
+    "includes": "vLLM v0.5.4; fp8 GEMMs were not measured, so the datasheet roofline costs them",
+}
 FIGURES += [FP8 | {"name": "Lambda 70B FP8 TP4 H100: latency", "published": 38.26, "metric": "tpot_p50_ms"},
             FP8 | {"name": "Lambda 70B FP8 TP4 H100: output throughput", "published": 2242.99,
                    "metric": "output_tokens_per_s"}]  # fmt: skip
@@ -114,8 +141,15 @@ def main(argv=None) -> int:
         values = cache[key]
         value = float(np.median(values))
         ratio = value / fig["published"]
-        rows.append({k: v for k, v in fig.items()} | {"predicted": round(value, 2), "per_seed": values,
-                                                       "ratio": round(ratio, 3), "within_target": abs(ratio - 1) <= TARGET})
+        rows.append(
+            {k: v for k, v in fig.items()}
+            | {
+                "predicted": round(value, 2),
+                "per_seed": values,
+                "ratio": round(ratio, 3),
+                "within_target": abs(ratio - 1) <= TARGET,
+            }
+        )
         print(f"{fig['name']:52s} published {fig['published']:9.2f}  engine-sim {value:9.2f}  ratio {ratio:5.2f}"
               f"{'' if abs(ratio - 1) <= TARGET else '  (outside ±15%)'}")  # fmt: skip
     result = {

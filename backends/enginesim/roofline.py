@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from kvbench.backends.enginesim import operators
+
 from kvbench.cache.capacity import KV_DTYPE_BYTES, ModelGeometry
 from kvbench.errors import KvbenchError
 from kvbench.hardware import Hardware

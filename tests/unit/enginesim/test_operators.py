@@ -83,7 +83,9 @@ def test_a_step_sums_its_kernels_attention_and_all_reduces():
     pairs = 512 * 513 / 2 + 8 * 1001
     kv = (0 + 8000 + 512 + 8) * (LLAMA70.kv_bytes_per_token() / 4) / (H100.hbm_bw * lat.mbu)
     attn = max(pairs * 4 * 80 * 64 * 128 / 4 / (H100.flops * lat.mfu), kv)
-    assert cost.compute_s == pytest.approx(ops.linear_s(tokens) + ops.lm_head_s(seqs) + 80 * H100.eltwise_floor_s + attn)
+    assert cost.compute_s == pytest.approx(
+        ops.linear_s(tokens) + ops.lm_head_s(seqs) + 80 * H100.eltwise_floor_s + attn
+    )
     assert cost.memory_s == 0.0
     fixed, per_token = ops.comm_terms()
     assert cost.comm_s == pytest.approx(fixed + tokens * per_token)
