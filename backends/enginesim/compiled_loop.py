@@ -63,7 +63,8 @@ def _cost(lat, tokens, pairs, kv_read, kv_written, seqs):
     if lat[OPS]:  # LatencyModel._operator_cost
         kv = (kv_read + kv_written) * (lat[KV_BYTES] / lat[KV_SHARDS]) / lat[BYTES_S]
         attn = pairs * lat[ATTN_FPP] / lat[ATTN_FS]
-        kernels = lat[LAT_FIELDS + tokens] + lat[int(lat[LM_AT]) + seqs] + (lat[ATTN_FLOOR] + (attn if attn > kv else kv))
+        attention = lat[ATTN_FLOOR] + (attn if attn > kv else kv)
+        kernels = lat[LAT_FIELDS + tokens] + lat[int(lat[LM_AT]) + seqs] + attention
         return kernels + (lat[COMM_FIXED] + tokens * lat[COMM_SPT])
     comm = tokens * lat[COMM_BPT] / lat[PEER_BW] if lat[TP] > 1 else 0.0
     if lat[CALIBRATED]:

@@ -164,8 +164,8 @@ def run(prep, trace, n_instances: int, pool_blocks: int, sched, latency: Latency
     span = float(arrival.max() - arrival.min()) if n else 0.0
     sample_every = max(span, 1e-3) / cluster.TIMELINE_POINTS
     lifetimes, lifetime_of, *samples = L.run_cluster(
-        *pool, rq, rqf, due, order, fixed, ins, insf, *batch, _latency_constants(latency, kv_bytes_block, pcie_bw, sched), cfg,
-        pool_blocks, sample_every,
+        *pool, rq, rqf, due, order, fixed, ins, insf, *batch,
+        _latency_constants(latency, kv_bytes_block, pcie_bw, sched), cfg, pool_blocks, sample_every,
     )  # fmt: skip
     instances = _instances(ins, insf, pool, lifetimes, lifetime_of, latency, pool_blocks, bs, sched, pcie_bw)
     reqs = _requests(rq, rqf, arrival, prep, instances)
