@@ -72,6 +72,14 @@ def measure(name: str, path: Path, work: Path, seed: int, scale: float) -> dict:
     params = json.loads(twin.with_suffix(".params.json").read_text())
     fid = params["fidelity"]
     off = [g for g, v in fid["statistics"].items() if v["worst_ratio"] > 1]
+    # capacities (of TRACE's curve) that hold at least one 90th-percentile prompt: below that, a K-times twin's
+    # disjoint copies replace each other's prompts under radix-lru whatever the twin (docs/semantics.md)
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    lengths = pc.list_value_length(pq.read_table(path, columns=["block_hashes"]).column("block_hashes"))
+    prompt = float(np.quantile(lengths.to_numpy(zero_copy_only=False), 0.9))
+    above = [abs(c["original"]["steady"] - c["twin"]["steady"]) for c in fid["curve"] if c["capacity_blocks"] >= prompt]
     return {
         "trace": name,
         "twin_seed": seed,
@@ -84,6 +92,8 @@ def measure(name: str, path: Path, work: Path, seed: int, scale: float) -> dict:
         "faithful": fid["faithful"],
         "statistics_off": off,
         "moved_share": params["placement"]["moved_share"],
+        "p90_prompt_blocks": prompt,
+        "max_curve_gap_from_one_prompt": max(above, default=0.0),
     }
 
 
@@ -182,6 +192,8 @@ def main() -> None:
         g = by_trace.setdefault(group, {"worst_infinite_cache_gap": 0.0, "worst_max_curve_gap": 0.0})
         g["worst_infinite_cache_gap"] = max(g["worst_infinite_cache_gap"], r["infinite_cache_gap"])
         g["worst_max_curve_gap"] = max(g["worst_max_curve_gap"], r["max_curve_gap"])
+        g["worst_curve_gap_from_one_prompt"] = max(g.get("worst_curve_gap_from_one_prompt", 0.0),
+                                                   r["max_curve_gap_from_one_prompt"])  # fmt: skip
     for name, g in by_trace.items():
         worst_inf, worst_curve = g["worst_infinite_cache_gap"], g["worst_max_curve_gap"]
         g["meets_target"] = worst_inf <= INFINITE_TARGET and worst_curve <= CURVE_TARGET
@@ -189,18 +201,18 @@ def main() -> None:
             g["seed_to_seed"] = floors[name]
         if name in copies:
             g["exact_copies_x2"] = copies[name]
-    print("\ntrace                   worst gaps: infinite  curve   met   same generator at another seed: inf  curve")
     for name, c in copies.items():
         print(
             f"{name}: an exact 2-copy at twice each capacity: infinite {c['infinite_cache_gap']:.4f}, "
             f"curve {c['max_curve_gap']:.4f}"
         )
+    print("\ntrace                   worst gaps: infinite  curve   met   curve from one prompt   another seed: curve")
     for name, g in by_trace.items():
         floor = g.get("seed_to_seed")
-        ref = f"{floor['median_infinite_cache_gap']:>10.4f}{floor['median_max_curve_gap']:>8.4f}" if floor else ""
+        ref = f"{floor['median_max_curve_gap']:>8.4f}" if floor else ""
         print(
             f"{name:24s}{g['worst_infinite_cache_gap']:>20.4f}{g['worst_max_curve_gap']:>7.4f}   "
-            f"{str(g['meets_target']):5s}{' ' * 27}{ref}"
+            f"{str(g['meets_target']):5s}{g['worst_curve_gap_from_one_prompt']:>16.4f}{' ' * 14}{ref}"
         )
     RESULTS.write_text(
         json.dumps(
@@ -212,6 +224,8 @@ def main() -> None:
                 "target": {"infinite_cache_gap": INFINITE_TARGET, "max_curve_gap": CURVE_TARGET},
                 "hit_rate": "token hit rate after the warm-up half; scale-2 twins at twice each capacity",
                 "seed_to_seed": "per generated kind: the same generator at two of the seeds, measured as a twin is",
+                "curve_gap_from_one_prompt": "the curve gap over the capacities that hold at least the trace's "
+                "90th-percentile prompt (blocks)",
                 "exact_copies_x2": "per public trace: the trace and a renamed copy in lockstep, measured as a "
                 "scale-2 twin is (the trace's own users twice, exactly, at twice the cache)",
                 "worst": {
