@@ -182,8 +182,8 @@ def write(out_dir: Path, title: str, params: dict, orig, twin, st_orig, st_twin,
         ["gap CV after the rate curve", num(params["arrival"]["gap_cv"]), num(twin_arrival["gap_cv"])],
         ["mean turns per session (from block ids)", num(params["sessions"]["inferred"]["mean_turns"]),
          num(twin_sessions["mean_turns"])],
-        ["median stack distance of a reuse (blocks)", num(float(np.nanmedian(st_orig["distance_blocks"]))),
-         num(float(np.nanmedian(st_twin["distance_blocks"])))],
+        ["median stack distance of a reuse (blocks)", num(_median(st_orig["distance_blocks"])),
+         num(_median(st_twin["distance_blocks"]))],
         ["units (conversations, task trees)", num(params["units"]["units"]), num(params["placement"]["units"])],
         ["units at another unit's start", "–", pct(params["placement"]["moved_share"])],
         ["root prefixes (distinct first blocks)", num(_roots(st_orig)[0]), num(_roots(st_twin)[0])],
@@ -195,6 +195,12 @@ def write(out_dir: Path, title: str, params: dict, orig, twin, st_orig, st_twin,
     md.write_text(render_markdown(title, sections))
     html.write_text(render_html(title, sections))
     return [md, html]
+
+
+def _median(values: np.ndarray) -> float:
+    """Median of the finite values; NaN (shown as such) for a trace in which no request reuses anything."""
+    finite = values[np.isfinite(values)]
+    return float(np.median(finite)) if finite.size else float("nan")
 
 
 def _roots(st: dict) -> tuple[int, float]:
