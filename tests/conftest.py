@@ -9,6 +9,7 @@ from pathlib import Path
 # Imported up front: when a run used no hypothesis test, the hypothesis plugin imported it at the very end,
 # and CPython 3.11.7's parser crashed there ("AST constructor recursion depth mismatch").
 import hypothesis  # noqa: F401
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -89,6 +90,12 @@ def shared_trace(relative: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not present (set KVBENCH_SHARED to the folder holding traces/)")
     return path
+
+
+def fresh_seeds(n: int = 3) -> list[int]:
+    """`n` seeds drawn per run, or KVBENCH_TEST_SEEDS=a,b,c to replay a failure's (printed by the caller)."""
+    given = [int(s) for s in os.environ.get("KVBENCH_TEST_SEEDS", "").split(",") if s]
+    return given or [int(s) for s in np.random.SeedSequence().generate_state(n) % 100_000]
 
 
 def make_trace(n=6, block_size=4, **overrides) -> pa.Table:

@@ -1,11 +1,9 @@
 """Integration tests against real engines started by `kvbench engine up` (see .ci/start-engines)."""
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -70,15 +68,9 @@ def llama():
     return info
 
 
-# --- fresh traces, live and predicted alike (test_live_vllm, test_live_llamacpp: `fresh_seeds`) ----------
+# --- fresh traces, live and predicted alike (test_live_vllm, test_live_llamacpp; seeds: ..conftest.fresh_seeds)
 FRESH_KINDS = ("chat", "agent", "multi-tenant", "multimodal", "reasoning")
 FRESH_REQUESTS = 12  # per kind and seed
-
-
-def fresh_seeds() -> list[int]:
-    """3 seeds drawn per run, or KVBENCH_TEST_SEEDS=a,b,c to replay a failure's (printed by the caller)."""
-    given = [int(s) for s in os.environ.get("KVBENCH_TEST_SEEDS", "").split(",") if s]
-    return given or [int(s) for s in np.random.SeedSequence().generate_state(3) % 100_000]
 
 
 def kvbench_cli(*args) -> None:

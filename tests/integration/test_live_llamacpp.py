@@ -20,7 +20,8 @@ from kvbench.trace.files import read_trace, write_trace
 from kvbench.trace.schema import cap_outputs
 
 from ..conftest import CHAT, SAMPLES
-from .conftest import FRESH_KINDS, FRESH_REQUESTS, cached_mismatches, fresh_seeds, kvbench_cli
+from ..conftest import fresh_seeds
+from .conftest import FRESH_KINDS, FRESH_REQUESTS, cached_mismatches, kvbench_cli
 
 pytestmark = pytest.mark.engine
 

@@ -21,8 +21,8 @@ from kvbench.live.audit import audit_isolation
 from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 
-from ..conftest import REPO
-from .conftest import FRESH_KINDS, FRESH_REQUESTS, cached_mismatches, fresh_seeds, kvbench_cli
+from ..conftest import REPO, fresh_seeds
+from .conftest import FRESH_KINDS, FRESH_REQUESTS, cached_mismatches, kvbench_cli
 
 pytestmark = pytest.mark.engine
 N = 40  # requests per replay: enough to share prefixes, few enough for a 2-core CI machine
