@@ -19,8 +19,7 @@ from kvbench.trace import generators
 from kvbench.trace.files import read_trace, write_trace
 from kvbench.trace.schema import cap_outputs
 
-from ..conftest import CHAT, SAMPLES
-from ..conftest import fresh_seeds
+from ..conftest import CHAT, SAMPLES, fresh_seeds
 from .conftest import FRESH_KINDS, FRESH_REQUESTS, cached_mismatches, kvbench_cli
 
 pytestmark = pytest.mark.engine
