@@ -117,7 +117,12 @@ class Cluster:
         # a calibrated model's per-request overhead (HTTP, tokenising, the hand-off to the engine core): a
         # request reaches the scheduler that long after it is sent, and its TTFT, measured from the send,
         # includes the wait
-        self.entry_delay = instances[0].latency.request_overhead_s if instances else 0.0
+        latency = instances[0].latency if instances else None
+        # ... less the join window, its last part: an idle instance waits that long after its first arrival
+        # before it starts a step, so requests sent just after join the first one's step, as in an engine that
+        # takes every queued request before it builds a batch (Calibration.join_window_s)
+        self.join_window = latency.join_window_s if latency else 0.0
+        self.entry_delay = latency.request_overhead_s - self.join_window if latency else 0.0
         self.waiting_for = self._count_predecessors()
         self._schedule_first_arrivals()
         span = max((r.arrival for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
@@ -179,8 +184,12 @@ class Cluster:
         inst.routed += 1
         inst.enqueue(req)
         if not inst.busy:
-            self.start(inst, t)
-        elif inst.window[3] > 1:
+            if self.join_window > 0:
+                inst.busy, inst.window = True, None  # (None: the step is not planned yet, nothing to cut)
+                self.schedule(t + self.join_window, lambda when, inst=inst: self.start(inst, when))
+            else:
+                self.start(inst, t)
+        elif inst.window is not None and inst.window[3] > 1:
             self.cut(inst, t)
 
     def _admit(self, req: Req) -> bool:

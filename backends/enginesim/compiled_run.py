@@ -50,6 +50,7 @@ def _covers(settings: dict, pol, scenarios, latency, router: str, tiers: TierSta
         and not settings["closed_loop"]
         and not settings["max_concurrency"]
         and type(latency) is LatencyModel
+        and latency.join_window_s == 0  # (the compiled loop starts an idle instance's step at the arrival)
         and (latency._ops is None or _step_cap(settings) <= OPS_TABLE_MAX)
         and router in L.ROUTER_CODES
         and cluster.ROUTERS[router] is cluster.BUILTIN_ROUTERS.get(router)  # (not replaced by a plugin's)

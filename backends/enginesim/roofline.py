@@ -49,6 +49,11 @@ class Calibration:
     s_per_pair: per attention (query, key) pair: a prefill of N new tokens after P cached ones computes
         N·P + N(N+1)/2 of them, a decode of a sequence holding P tokens P + 1. What makes long prefills superlinear.
     s_per_kv_token: per cached KV token the iteration reads (the memory side of attention).
+    join_window_s: not a step term: an idle engine's first step also takes the requests that reach it up to this
+        long after the first (measured with pairs of requests sent a set offset apart, kvbench/calibrate/joining.py).
+        It is the last part of request_overhead_s, which a lone request's measured TTFT already holds: a request
+        reaches the scheduler request_overhead_s − join_window_s after its send, and an idle instance starts its
+        step join_window_s after the first arrival.
     """
 
     request_overhead_s: float = 0.0
@@ -57,12 +62,18 @@ class Calibration:
     s_per_token: float = 0.0
     s_per_pair: float = 0.0
     s_per_kv_token: float = 0.0
+    join_window_s: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
             if not (isinstance(value, int | float) and value >= 0 and value < float("inf")):
                 raise KvbenchError(f"calibration: {f.name} must be a finite number ≥ 0, got {value!r}")
+        if self.join_window_s > self.request_overhead_s:
+            raise KvbenchError(
+                f"calibration: join_window_s ({self.join_window_s:g} s) is part of request_overhead_s "
+                f"({self.request_overhead_s:g} s) and cannot exceed it"
+            )
 
     @classmethod
     def from_mapping(cls, data: dict, source: str) -> Calibration:
@@ -245,8 +256,14 @@ class LatencyModel:
 
     @property
     def request_overhead_s(self) -> float:
-        """Seconds between a request's send and its arrival at the scheduler (0 for the roofline)."""
+        """Seconds between a request's send and its first step's earliest start (0 for the roofline)."""
         return self.calibration.request_overhead_s if self.calibration else 0.0
+
+    @property
+    def join_window_s(self) -> float:
+        """Seconds an idle instance waits after its first arrival before it starts a step, taking what arrives
+        meanwhile (Calibration.join_window_s; 0 for the roofline: the step starts at once)."""
+        return self.calibration.join_window_s if self.calibration else 0.0
 
     def _cost(self, tokens: int, pairs: float, kv_read: int, kv_written: int, seqs: int) -> StepCost:
         # tokens: multiplied through the weights; pairs: (query, key) products of attention; kv_read / kv_written:

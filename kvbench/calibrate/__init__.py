@@ -12,16 +12,19 @@ points in a seeded random order, the medians fitted:
   (--max-num-batched-tokens) is prefilled in chunks, one step each;
 - decode: B concurrent requests (ignore_eos, a fixed number of output tokens) of several prompt lengths; once all
   B have their first token and until the first one ends, every engine step decodes one token of each, so the
-  streamed inter-token time is the step time of a batch of B holding the batch's KV tokens.
+  streamed inter-token time is the step time of a batch of B holding the batch's KV tokens;
+- join (`joining`): pairs of fresh prompts, the second sent a set offset after the first to the idle server;
+  whether their first tokens come together says whether the server prefilled them in one step, and the offset
+  at which most pairs stop joining is the join window (`join_window_s`, measured, not fitted).
 
 The fit (`design`, `fitting`): one non-negative least squares of the relative error over all points for
 request_overhead_s, step_overhead_s, s_per_seq, s_per_token, s_per_pair and s_per_kv_token, each point's row the
 sum of the features of the steps it consists of. A poor fit (R² of the prefill or decode points below --min-r2, or
 their median relative error above --max-median-error) is an error unless --force.
 
-The file holds the [calibration] table (exactly Calibration's six fields) and a [measurements] table: the endpoint
-as host:port only (never a key or a path), the model, the server's facts, the plan, the fit's R² values, each
-term's share and standard error, and every point measured and modeled.
+The file holds the [calibration] table (exactly Calibration's fields: six terms and the join window) and a
+[measurements] table: the endpoint as host:port only (never a key or a path), the model, the server's facts, the
+plan, the fit's R² values, each term's share and standard error, and every point measured and modeled.
 """
 
 # The package's surface: what `kvbench.cli.calibrate` and the tests use as `kvbench.calibrate.NAME`. The modules,
@@ -43,6 +46,7 @@ from kvbench.calibrate.fitting import (
     relative_nnls,
     standard_errors,
 )
+from kvbench.calibrate.joining import JoinPoint, join_window
 from kvbench.calibrate.measurement import (
     DECODE_ATTEMPTS,
     MIN_WINDOW_STEPS,
@@ -57,6 +61,8 @@ from kvbench.calibrate.plan import (
     DEFAULT_CONTEXT_NEW,
     DEFAULT_DECODE_CONTEXTS,
     DEFAULT_DECODE_TOKENS,
+    DEFAULT_JOIN_OFFSETS,
+    DEFAULT_JOIN_TOKENS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_PROMPT,
     DEFAULT_PROMPT_LENGTHS,
@@ -76,6 +82,8 @@ __all__ = [
     "DEFAULT_CONTEXT_NEW",
     "DEFAULT_DECODE_CONTEXTS",
     "DEFAULT_DECODE_TOKENS",
+    "DEFAULT_JOIN_OFFSETS",
+    "DEFAULT_JOIN_TOKENS",
     "DEFAULT_MAX_MEDIAN_ERROR",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_PROMPT",
@@ -91,6 +99,7 @@ __all__ = [
     "Calibrated",
     "DecodePoint",
     "Design",
+    "JoinPoint",
     "Meter",
     "Plan",
     "PrefillPoint",
@@ -101,6 +110,7 @@ __all__ = [
     "fit",
     "fit_terms",
     "host_port",
+    "join_window",
     "judge",
     "measure",
     "measure_async",

@@ -1,8 +1,8 @@
 """The calibration file: a TOML text with a comment header (how to use it), the [calibration] table that
-`kvbench replay --backend engine-sim --calibration FILE` reads (exactly `Calibration`'s six terms) and a
-[measurements] table with the endpoint (host:port only), the plan, the server's facts, the fit's figures, every
-term's share and standard error, and every point measured and modeled. Written by hand (the standard library reads
-TOML but does not write it), checked with tomllib before it lands."""
+`kvbench replay --backend engine-sim --calibration FILE` reads (exactly `Calibration`'s six terms and the join
+window) and a [measurements] table with the endpoint (host:port only), the plan, the server's facts, the fit's
+figures, every term's share and standard error, and every point measured and modeled. Written by hand (the
+standard library reads TOML but does not write it), checked with tomllib before it lands."""
 
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ def _header(result: Result, cal: Calibrated, command: str | None) -> list[str]:
         "# are seconds (per request, step, sequence, token, attention (query, key) pair, cached KV token read),",
         "# fitted jointly by non-negative least squares of the relative error over every measured point: a prefill",
         "# TTFT is the request overhead plus its chunk steps, a decode point one step of the batch.",
+        "# join_window_s (measured apart, [[measurements.join]]): an idle engine's first step also takes the requests",
+        "# that arrive up to this long after the first one (pairs sent a set offset apart, prefilled together or not);",
+        "# it is part of request_overhead_s, so a lone request's TTFT stays the same.",
         f"# Fit: R² {cal.r2:.3f} overall, {cal.r2_prefill:.3f} on the prefill points, "
         f"{cal.r2_decode:.3f} on the decode points;",
         "# [measurements.fit] and [measurements.terms] have the details, [[measurements.prefill]] and",
@@ -97,6 +100,7 @@ def render(result: Result, cal: Calibrated, command: str | None = None) -> str:
         "forced": cal.forced,
         "fit_warnings": cal.warnings or None,
         "warnings": result.warnings or None,
+        "join_warnings": cal.join_warnings or None,
         "plan": result.plan.record(),
         "server": result.server or None,
         "fit": {
@@ -142,6 +146,8 @@ def render(result: Result, cal: Calibrated, command: str | None = None) -> str:
             }
             for i, p in enumerate(result.decode)
         ],
+        "join_lone_prefill_s": cal.join_lone_prefill_s if result.join else None,
+        "join": [p.record(cal.join_lone_prefill_s) for p in result.join] or None,
     }
     body = _table("calibration", cal.calibration()) + _table("measurements", meas)
     return "\n".join(_header(result, cal, command)) + "\n\n" + "\n".join(body).rstrip() + "\n"

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from kvbench.calibrate.design import TERMS, Design
+from kvbench.calibrate.design import TERMS, Design, prefill_row
+from kvbench.calibrate.joining import join_window
 from kvbench.calibrate.plan import Result
 from kvbench.errors import KvbenchError
 
@@ -73,9 +74,13 @@ class Calibrated:
     forced: bool = False
     warnings: list[str] = field(default_factory=list)  # why the fit is poor, when forced
     folded: tuple[str, ...] = ()  # terms fixed at 0 because the server's steps cannot show them (Design.folded)
+    join_window_s: float = 0.0  # measured apart from the fit (joining.py), not a term of the step sum
+    join_warnings: list[str] = field(default_factory=list)
+    join_lone_prefill_s: float = 0.0  # the fitted prefill of one join prompt, which says whether a pair joined
 
     def calibration(self) -> dict:
-        return {t: self.terms[t] for t in TERMS}
+        """The [calibration] table: the six terms, and the join window."""
+        return {**{t: self.terms[t] for t in TERMS}, "join_window_s": self.join_window_s}
 
     def quality(self) -> dict:
         """The fit's figures, as the file and --json record them."""
@@ -105,6 +110,9 @@ def fit_terms(result: Result) -> Calibrated:
     contributions = (x * beta).sum(axis=0)
     total = float(modeled.sum())
     residual = (modeled - y) / y
+    overhead = float(beta[TERMS.index("request_overhead_s")])
+    lone = float(prefill_row(result.plan.join_tokens, 0, result.plan.max_num_batched_tokens) @ beta) - overhead
+    window, join_warnings = join_window(result.join, lone, overhead)
     return Calibrated(
         terms={t: float(b) for t, b in zip(TERMS, beta, strict=True)},
         stderr={t: float(e) for t, e in zip(TERMS, stderr, strict=True)},
@@ -120,6 +128,9 @@ def fit_terms(result: Result) -> Calibrated:
         labels=design.labels(),
         n_prefill=design.n_prefill,
         folded=design.folded,
+        join_window_s=window,
+        join_warnings=join_warnings,
+        join_lone_prefill_s=lone,
     )
 
 

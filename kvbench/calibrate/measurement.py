@@ -24,6 +24,7 @@ from kvbench.calibrate.endpoint import (
     server_facts,
     shown,
 )
+from kvbench.calibrate.joining import join_points, join_sample
 from kvbench.calibrate.plan import DecodePoint, Plan, PrefillPoint, Progress, Result
 from kvbench.calibrate.servers import llama_facts, max_decode_batch, request_context, step_budget
 from kvbench.errors import KvbenchError
@@ -149,10 +150,12 @@ async def _measure_points(meter: Meter, plan: Plan, progress: Progress, result: 
     points = [("prefill", 0, n) for n in plan.prompt_lengths]
     points += [("prefill", p, n) for p, n in plan.context_points()]
     points += [("decode", b, ctx) for ctx in plan.decode_contexts for b in plan.batch_sizes]
+    points += [("join", offset, plan.join_tokens) for offset in plan.join_offsets_s]
     order = random.Random(plan.seed)
     prefill: dict[tuple[int, int], list[float]] = {}
     reported: dict[tuple[int, int], list[int]] = {}
     decode: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
+    join: dict[float, list[tuple[float, float]]] = {offset: [] for offset in plan.join_offsets_s}
     for _ in range(plan.repeats):
         for kind, a, b in order.sample(points, len(points)):
             if kind == "prefill":
@@ -162,6 +165,11 @@ async def _measure_points(meter: Meter, plan: Plan, progress: Progress, result: 
                     reported.setdefault((a, b), []).append(cached)
                 what = f"prefill: {b} new tokens after {a} cached" if a else f"prefill: {b}-token prompts"
                 progress(what, 2 if a else 1)
+            elif kind == "join":
+                got = await join_sample(meter, a, b)
+                if got is not None:
+                    join[a].append(got)
+                progress(f"join: two {b}-token prompts sent {a * 1e3:g} ms apart", 2)
             else:
                 got = await _decode_sample(meter, plan, a, b, result.warnings)
                 if got is not None:
@@ -169,6 +177,7 @@ async def _measure_points(meter: Meter, plan: Plan, progress: Progress, result: 
                 progress(f"decode: batch {a}, {b}-token prompts", a)
     result.prefill = _prefill_points(prefill, reported)
     result.decode = _decode_points(decode, result.warnings)
+    result.join = join_points(join, plan.join_tokens)
 
 
 async def measure_async(

@@ -27,6 +27,10 @@ DEFAULT_REPEATS = 3
 # vLLM's default token budget of one step on CPU (--max-num-batched-tokens): a longer prefill runs as chunks of
 # this many tokens, one step each
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# the join window's pairs (joining.py): offsets in seconds, from sent together to well past the few ms a server
+# takes from taking a request to building its batch; prompts long enough that a second prefill is far slower
+DEFAULT_JOIN_OFFSETS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.04)
+DEFAULT_JOIN_TOKENS = 512
 
 Progress = Callable[[str, int], None]  # (what is being measured, requests just finished)
 
@@ -49,6 +53,8 @@ class Plan:
     # None: the server's own (llama-server's n_batch, vLLM's CPU default), resolved before measuring (servers.py)
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     seed: int | None = None  # None: a fresh seed each run (recorded), so no run repeats an earlier one's prompts
+    join_offsets_s: tuple[float, ...] = DEFAULT_JOIN_OFFSETS  # () measures no join window (it is then 0)
+    join_tokens: int = DEFAULT_JOIN_TOKENS
 
     def __post_init__(self):
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -75,6 +81,8 @@ class Plan:
             batches = tuple(b for b in batches if b <= max_batch) or (max_batch,)
         return dataclasses.replace(
             self,
+            join_offsets_s=self.join_offsets_s if max_batch != 1 else (),  # one slot never batches two prompts
+            join_tokens=min(self.join_tokens, cap),
             batch_sizes=batches,
             prompt_lengths=lengths,
             context_lengths=contexts,
@@ -97,6 +105,10 @@ class Plan:
     def decode_requests(self) -> int:
         return self.repeats * sum(self.batch_sizes) * len(self.decode_contexts)
 
+    @property
+    def join_requests(self) -> int:
+        return self.repeats * 2 * len(self.join_offsets_s)
+
     def record(self) -> dict:
         """The plan as the file records it."""
         return {
@@ -111,6 +123,8 @@ class Plan:
             "vocab": self.vocab,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "seed": self.seed,
+            "join_offsets_s": list(self.join_offsets_s),
+            "join_tokens": self.join_tokens,
             "order": "each repeat runs every point once, in an order shuffled by the seed",
         }
 
@@ -151,6 +165,7 @@ class Result:
     plan: Plan
     prefill: list[PrefillPoint] = field(default_factory=list)
     decode: list[DecodePoint] = field(default_factory=list)
+    join: list = field(default_factory=list)  # joining.JoinPoint: pairs sent a set offset apart
     server: dict = field(default_factory=dict)  # what the server says of itself (vLLM: block size, KV blocks)
     warnings: list[str] = field(default_factory=list)  # points left out, and why
     seconds: float = 0.0

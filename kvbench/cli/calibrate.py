@@ -16,6 +16,24 @@ from kvbench.cli.render import console, stdout
 from kvbench.options import served_model_option
 
 
+def _offsets_ms(ctx, param, value):
+    """'0,2,5' (milliseconds) -> (0.0, 0.002, 0.005) seconds; 'none' -> ()."""
+    if value is None or isinstance(value, tuple):
+        return value
+    if str(value).strip().lower() == "none":
+        return ()
+    out = []
+    for part in str(value).split(","):
+        try:
+            ms = float(part)
+        except ValueError:
+            raise click.BadParameter(f"{part.strip()!r} is not a number of milliseconds (e.g. 0,2,5,10)") from None
+        if not 0 <= ms < float("inf"):
+            raise click.BadParameter(f"{part.strip()!r}: must be ≥ 0 ms")
+        out.append(ms / 1e3)
+    return tuple(sorted(set(out)))
+
+
 def _lengths(ctx, param, value):
     """'128,512,2K' -> (128, 512, 2048): positive whole numbers of tokens (or sequences)."""
     if value is None or isinstance(value, tuple):
@@ -164,6 +182,22 @@ def _csv(default) -> str:
     "the batch's own prefills), in tokens",
 )
 @click.option(
+    "--join-offsets",
+    callback=_offsets_ms,
+    default=",".join(f"{x * 1e3:g}" for x in C.DEFAULT_JOIN_OFFSETS),
+    show_default=True,
+    help="join window: the delays, in milliseconds (comma-separated, 0 = sent together; 'none' measures no "
+    "window), at which a second request follows a first to the idle server; a pair whose first tokens come "
+    "together was prefilled in one step. The window is where most pairs stop joining",
+)
+@click.option(
+    "--join-tokens",
+    type=click.IntRange(min=16),
+    default=C.DEFAULT_JOIN_TOKENS,
+    show_default=True,
+    help="join window: each prompt of a pair, in tokens (long enough that a second prefill is clearly slower)",
+)
+@click.option(
     "--vocab",
     type=click.IntRange(min=64),
     default=C.DEFAULT_VOCAB,
@@ -210,6 +244,8 @@ def calibrate(
     batch_sizes,
     decode_contexts,
     decode_tokens,
+    join_offsets,
+    join_tokens,
     vocab,
     timeout_s,
     seed,
@@ -257,6 +293,8 @@ def calibrate(
         max_prompt_tokens=max_prompt_tokens,
         vocab=vocab,
         seed=seed,
+        join_offsets_s=join_offsets,
+        join_tokens=join_tokens,
     )
     key = os.environ.get(api_key_env) or None
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -264,7 +302,7 @@ def calibrate(
         task = bar.add_task(f"calibrating {C.host_port(url)}: connecting", total=None)
 
         def on_plan(bounded):
-            bar.update(task, total=bounded.prefill_requests + bounded.decode_requests)
+            bar.update(task, total=bounded.prefill_requests + bounded.decode_requests + bounded.join_requests)
 
         def progress(what: str, n: int) -> None:
             bar.update(task, advance=n, description=what)

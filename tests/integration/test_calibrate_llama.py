@@ -42,4 +42,9 @@ def test_calibrate_llama_writes_its_facts_and_terms(llama, tmp_path):
     assert {p["server_cached_tokens"] for p in m["prefill"] if not p["cached_tokens"]} <= {0, 1}
     assert [p["chunks"] for p in m["prefill"] if p["new_tokens"] == 3000] == [-(-3000 // server["n_batch"])]
     assert {p["batch"] for p in m["decode"]} == set(m["plan"]["batch_sizes"])
+    # pairs sent a set offset apart, each offset measured (a pair streams text within its tries); the window
+    # they give is part of the request overhead
+    assert [j["offset_s"] for j in m["join"]] == m["plan"]["join_offsets_s"] and all(j["pairs"] >= 1 for j in m["join"])
+    assert all(j["joined"] <= j["pairs"] == len(j["gaps_s"]) for j in m["join"])
+    assert 0 <= cal["join_window_s"] <= cal["request_overhead_s"]
     assert "kvbench fidelity" in proc.stdout

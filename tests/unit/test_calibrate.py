@@ -168,7 +168,7 @@ def test_a_poor_fit_is_an_error_that_says_what_to_do_unless_forced(tmp_path):
     data = tomllib.loads(text)
     assert data["measurements"]["forced"] is True and data["measurements"]["fit"]["forced"] is True
     assert "decode rows fit badly" in data["measurements"]["fit_warnings"][0]
-    assert set(data["calibration"]) == set(C.TERMS)
+    assert set(data["calibration"]) == {*C.TERMS, "join_window_s"}
     # the thresholds are the user's: a lenient one lets the same points through
     assert not C.fit(result, min_r2=-100, max_median_error=10).forced
 
@@ -184,7 +184,7 @@ def test_the_file_round_trips_into_engine_sim(tmp_path):
     path = C.write(tmp_path / "calib.toml", result, cal, "kvbench calibrate --url http://127.0.0.1:8011 -o …")
     text = path.read_text()
     data = tomllib.loads(text)
-    assert list(data["calibration"]) == list(C.TERMS)
+    assert list(data["calibration"]) == [*C.TERMS, "join_window_s"]
     loaded = Calibration.from_mapping(data["calibration"], str(path))
     assert _calibration(str(path)) == loaded
     for t in C.TERMS:
@@ -331,7 +331,7 @@ def test_cli_writes_the_file_and_says_what_next(fake, tmp_path):
     text = out.read_text()
     assert "sk-do-not-store" not in text and "http://" not in text
     data = tomllib.loads(text)
-    assert set(data["calibration"]) == set(C.TERMS)
+    assert set(data["calibration"]) == {*C.TERMS, "join_window_s"}
     assert all(math.isfinite(v) and v >= 0 for v in data["calibration"].values())
     m = data["measurements"]
     assert m["plan"]["max_num_batched_tokens"] == 64 and isinstance(m["forced"], bool)
