@@ -55,7 +55,13 @@ def flag_of(field: dataclasses.Field) -> str:
 
 
 def tagged(help: str | Callable[[], str], unit: str) -> str:
-    return f"{help() if callable(help) else help} {UNIT_TAG}{unit}]"
+    """`help` with its unit stated, before a default the help states itself, as click places its own default
+    last (two brackets one space apart would also read as a Markdown reference link in the docs site)."""
+    text = help() if callable(help) else help
+    head, sep, default = text.rpartition(" [default: ")
+    if sep and default.endswith("]"):
+        return f"{head} {UNIT_TAG}{unit}]  [default: {default}"
+    return f"{text} {UNIT_TAG}{unit}]"
 
 
 def _help(spec: Spec) -> str:

@@ -249,7 +249,7 @@ def _names(ctx, param, value):
     "--out",
     type=click.Path(file_okay=False),
     help="run directory; one that holds something is refused unless --overwrite "
-    "[default: reports/<time>-kv-quant-<trace>] [unit: path]",
+    "[unit: path]  [default: reports/<time>-kv-quant-<trace>]",
 )
 @click.option("--overwrite", is_flag=True, help="replace what --out holds [unit: on/off]")
 @click.option("--plots/--no-plots", default=True, help="draw the report's plot (matplotlib) [unit: on/off]")

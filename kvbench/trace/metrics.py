@@ -183,7 +183,7 @@ class MetricSums:
             self.evictions = (self.evictions or 0) + int(np.sum(evictions))
 
     def result(self, evict_matrix: np.ndarray | None = None, tenant_names: list[str] | None = None) -> dict:
-        """Everything summary.json reports for the point; keys are documented in the README."""
+        """Everything summary.json reports for the point; keys are documented in docs/sim.md (summary.json keys)."""
         by_tenant = self.tenants.result()
         tenant_rates = [g["hit_rate"] for g in by_tenant]
         fairness = {
