@@ -40,8 +40,12 @@ def test_calibration_file_describes_the_engine(vllm, calib):
         "s_per_token",
         "s_per_pair",
         "s_per_kv_token",
+        "join_window_s",  # measured apart from the fit, by pairs of prompts sent a set offset apart
     }
     assert all(math.isfinite(v) and v >= 0 for v in cal.values())  # the fit never makes a term negative
+    assert cal["join_window_s"] <= cal["request_overhead_s"]  # the window is part of the overhead
+    assert [j["offset_s"] for j in m["join"]] == m["plan"]["join_offsets_s"]
+    assert all(0 <= j["joined"] <= j["pairs"] == len(j["gaps_s"]) for j in m["join"])
     assert m["url"] == f"127.0.0.1:{vllm.port}" and m["model"] == vllm.model and m["max_model_len"] == 8192
     assert m["server"]["block_size"] == vllm.block_size and m["server"]["num_gpu_blocks"] > 0
     assert m["server"]["prefix_cache_reset"] is True
