@@ -15,6 +15,7 @@ import click
 
 from kvbench.cache.capacity import MODELS, parse_size
 from kvbench.errors import KvbenchError
+from kvbench.options import tagged
 from kvbench.run.rundir import RunDir, stamp
 
 DEFAULT_FORMATS = "bf16,fp8,int8,fp4,int4,int2"
@@ -248,8 +249,8 @@ def _names(ctx, param, value):
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
-    help="run directory; one that holds something is refused unless --overwrite "
-    "[unit: path]  [default: reports/<time>-kv-quant-<trace>]",
+    help=tagged("run directory; one that holds something is refused unless --overwrite "
+                "[default: reports/<time>-kv-quant-<trace>]", "path"),
 )
 @click.option("--overwrite", is_flag=True, help="replace what --out holds [unit: on/off]")
 @click.option("--plots/--no-plots", default=True, help="draw the report's plot (matplotlib) [unit: on/off]")
