@@ -352,7 +352,7 @@ class EngineSimBackend:
         reqs = [Req(r, arrival[r], n_in[r], n_out[r], keys[r], max_hit[r]) for r in range(prep.n_requests)]
         successors = think = None
         if s["closed_loop"]:
-            from kvbench.live.pacing import predecessors
+            from kvbench.run.pacing import predecessors
 
             successors = [[] for _ in reqs]
             for r, preds in enumerate(predecessors(trace)):

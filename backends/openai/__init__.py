@@ -24,7 +24,7 @@ from kvbench.backends.openai.address import DEFAULT_KEY_ENV, ServerAddress, api_
 from kvbench import options
 from kvbench.errors import KvbenchError
 from kvbench.live.latency import parse_slo
-from kvbench.live.pacing import Outcome, Pacing
+from kvbench.run.pacing import Outcome, Pacing
 from kvbench.live.prompts import words
 from kvbench.options import option
 from kvbench.redact import is_secret_name, redact
@@ -39,7 +39,7 @@ PROMPT_BATCHES_KEPT = 8
 @dataclass
 class OpenAIConfig:
     """The options of `kvbench replay --backend openai` (kvbench.options); the pacing options are
-    kvbench.live.pacing's."""
+    kvbench.run.pacing's."""
 
     url: str | None = option(
         None,
@@ -114,7 +114,7 @@ class OpenAIConfig:
     )
 
 
-# the units of the pacing options (declared in kvbench.live.pacing), stated in --help
+# the units of the pacing options (declared in kvbench.run.pacing), stated in --help
 
 
 class OpenAIBackend:

@@ -76,7 +76,7 @@ class Meter:
     async def send(self, tokens: list[int], max_tokens: int, allow_empty: bool = False):
         """The request's Outcome; an error unless it streamed text, or, with `allow_empty`, an answer that
         generated its tokens without text (see `EMPTY_TEXT_TRIES`)."""
-        from kvbench.live.pacing import Outcome
+        from kvbench.run.pacing import Outcome
 
         o = Outcome(row=0)
         o.sent_s = time.perf_counter() - self.client.origin

@@ -15,7 +15,7 @@ import aiohttp
 from yarl import URL
 
 from kvbench.live.http1 import BadAnswer, BodyCut, ConnectionDropped, Pool
-from kvbench.live.pacing import Outcome
+from kvbench.run.pacing import Outcome
 from kvbench.live.sse import BODY_SHOWN, EventStream, StreamError
 from kvbench.redact import redact_text
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from kvbench.errors import KvbenchError, KvbenchWarning
 from kvbench.live.latency import per_request
-from kvbench.live.pacing import Outcome, request_count, schedule_offsets
+from kvbench.run.pacing import Outcome, request_count, schedule_offsets
 from kvbench.live.replay import DONE, IncrementalResults, point_summary, previous_outcomes, resumed_clock
 from kvbench.run.executors import init_ray
 

@@ -20,7 +20,8 @@ import pyarrow.compute as pc
 
 from kvbench.errors import KvbenchError
 from kvbench.live.latency import latency_summary, per_request
-from kvbench.live.pacing import Outcome, dispatch, request_count
+from kvbench.run.pacing import Outcome, request_count
+from kvbench.live.dispatch import dispatch
 from kvbench.live.servercounters import reconcile
 from kvbench.run.backend import OnlineBackend, PointResult
 from kvbench.run.failures import failure_summary

@@ -10,7 +10,7 @@ import time
 
 import orjson
 
-from kvbench.live.pacing import Outcome
+from kvbench.run.pacing import Outcome
 
 BODY_SHOWN = 200  # characters of an unexpected answer's body quoted in an error
 SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")  # what a line of an event stream starts with

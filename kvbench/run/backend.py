@@ -19,7 +19,7 @@ path per protocol (it never probes for methods):
   it computed by its own pass over the chunks), for which the runner writes no rows. Either protocol yields a
   `Skipped` for a part it was asked for and left out.
 - `OnlineBackend` (kind "online") answers requests one at a time over the network: the core's dispatcher
-  (`kvbench.live.pacing`) sends each request with `send` at its scheduled time, inside `connect`.
+  (`kvbench.run.pacing`) sends each request with `send` at its scheduled time, inside `connect`.
 
 Callbacks are arguments, never attributes the runner sets: an offline backend whose points take long calls
 the `progress` it is given with a `Progress`.
@@ -45,7 +45,7 @@ from kvbench.run.pointnames import point_name
 from kvbench.trace.files import TraceMeta
 
 if TYPE_CHECKING:
-    from kvbench.live.pacing import Outcome, Pacing
+    from kvbench.run.pacing import Outcome, Pacing
     from kvbench.trace.scan import ScannedTrace
 
 
@@ -145,7 +145,7 @@ class StreamingBackend(OfflineBackend, Protocol):
 
 class OnlineBackend(Backend, Protocol):
     kind: ClassVar[Literal["online"]]
-    pacing: Pacing  # when requests are sent (`kvbench.live.pacing`); read by the runner, never changed by it
+    pacing: Pacing  # when requests are sent (`kvbench.run.pacing`); read by the runner, never changed by it
     slo: dict | None  # latency objectives for the summary (`kvbench.live.latency`), or None
 
     def connect(self, trace: pa.Table, meta: TraceMeta, origin: float) -> AbstractAsyncContextManager:

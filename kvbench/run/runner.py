@@ -180,7 +180,7 @@ def run_replay(
     light = isinstance(backend, TraceCacheUser) and not changes
     cache = trace_cache and not online and not changes
     trace = _open_trace(trace_path, False if online or changes else stream, warmup, cache=cache, light=light)
-    from kvbench.live.pacing import request_count
+    from kvbench.run.pacing import request_count
 
     sent = request_count(trace.table, backend.pacing) if online and hasattr(backend, "pacing") else None
     trace, limited = _limited(trace, limits, engine, warmup, str(trace_path), sent)

@@ -21,7 +21,7 @@ from kvbench.cli import main
 from kvbench.errors import KvbenchError
 from kvbench.hardware import HARDWARE
 from kvbench.live.fakeserver import FakeServer
-from kvbench.live.pacing import Outcome
+from kvbench.run.pacing import Outcome
 
 from .live.conftest import RunningServer, free_port
 

@@ -69,7 +69,7 @@ class AgentTasks(Scenario):
         return cls(bool(settings.get("task_retention")), order) if settings.get("closed_loop") else None
 
     def attach(self, instances, reqs, trace, prep, block_size):
-        from kvbench.live.pacing import predecessors
+        from kvbench.run.pacing import predecessors
 
         self.preds = predecessors(trace)
         self.waiting_succ = np.zeros(len(reqs), dtype=np.int64)

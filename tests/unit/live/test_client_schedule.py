@@ -15,7 +15,7 @@ from aiohttp import web
 
 import kvbench.live.replay as live
 from kvbench.live.client import OpenAIClient
-from kvbench.live.pacing import Outcome
+from kvbench.run.pacing import Outcome
 from kvbench.run.resultparts import list_parts
 from kvbench.run.runner import run_replay
 

@@ -14,8 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kvbench.live import pacing
-from kvbench.live.pacing import Dispatcher, Outcome, Pacing, dispatch, open_loop_offsets
+from kvbench.live import dispatch as pacing
+from kvbench.run.pacing import Outcome, Pacing, open_loop_offsets
+from kvbench.live.dispatch import Dispatcher, dispatch
 
 from ...conftest import make_trace
 

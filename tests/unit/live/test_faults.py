@@ -69,7 +69,7 @@ def test_a_server_that_goes_away_is_recorded_as_connection_refused():
     import asyncio
 
     from kvbench.live.client import OpenAIClient
-    from kvbench.live.pacing import Outcome
+    from kvbench.run.pacing import Outcome
 
     async def send():
         o = Outcome(row=0)

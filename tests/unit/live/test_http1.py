@@ -11,7 +11,7 @@ import pytest
 from yarl import URL
 
 from kvbench.live.client import OpenAIClient, _request_head
-from kvbench.live.pacing import Outcome
+from kvbench.run.pacing import Outcome
 
 EVENTS = (
     b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'

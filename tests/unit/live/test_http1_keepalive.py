@@ -10,7 +10,7 @@ import asyncio
 
 from kvbench.live.client import OpenAIClient
 from kvbench.live.fakeserver import FakeServer, fault_plan
-from kvbench.live.pacing import Outcome
+from kvbench.run.pacing import Outcome
 
 from .conftest import RunningServer
 from .test_http1 import EVENTS, SSE, assert_ok, chunked, run
