@@ -6,7 +6,7 @@
   `LAG_RATE` req/s for `LAG_SECONDS` s.
 - `Payload.time_payload_1000`: building the JSON bodies (`OpenAIBackend.payload`) of 1,000 requests.
 
-The fake server (`kvbench.live.fakeserver`, instant streaming) runs in a thread of the benchmark process, as in
+The fake server (`kvbench.testing.fakeserver`, instant streaming) runs in a thread of the benchmark process, as in
 tests/unit/live/conftest.py, so client and server share one interpreter (and its GIL): the figures track
 kvbench's client from commit to commit, they are not the client's absolute ceiling (for that, and for the
 side-by-side with `vllm bench serve`, run benchmarks/client_overhead.py). Each track takes a few seconds.
@@ -59,7 +59,7 @@ class ServerThread:
     def __init__(self):
         from aiohttp import web
 
-        from kvbench.live.fakeserver import FakeServer
+        from kvbench.testing.fakeserver import FakeServer
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

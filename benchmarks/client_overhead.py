@@ -1,6 +1,6 @@
 """Client overhead of kvbench's live replay, side by side with `vllm bench serve` (issue 4).
 
-A fake OpenAI server that streams instantly (`python -m kvbench.live.fakeserver`) runs pinned to one core
+A fake OpenAI server that streams instantly (`python -m kvbench.testing.fakeserver`) runs pinned to one core
 (`--server-core`, default 1); every client runs pinned to another (`--client-core`, default 0), one at a
 time, against the same server in the same run:
 
@@ -345,7 +345,7 @@ def fake_server(cfg, port: int, work: Path):
         script.write_text(FAST_SERVER)
         cmd = [cfg.server_python, str(script), str(port)]
     else:
-        cmd = [cfg.server_python, "-m", "kvbench.live.fakeserver", "--port", str(port), "--block-size", "16"]
+        cmd = [cfg.server_python, "-m", "kvbench.testing.fakeserver", "--port", str(port), "--block-size", "16"]
     with open(log, "w") as fh:
         proc = subprocess.Popen(launcher(cfg, cfg.server_core) + cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -722,7 +722,7 @@ def parse_args(argv=None):
         choices=("fast", "kvbench"),
         default="fast",
         help="fast: a bare-asyncio fake server (this file), cheap enough that the client is the bottleneck; "
-        "kvbench: python -m kvbench.live.fakeserver (aiohttp, prefix-cache model; costs more per request than "
+        "kvbench: python -m kvbench.testing.fakeserver (aiohttp, prefix-cache model; costs more per request than "
         "the clients)",
     )
     ap.add_argument("--server-python", default=sys.executable, help="python that runs the fake server")

@@ -33,7 +33,7 @@ from kvbench.backends.enginesim.operators import OperatorModel
 from scipy.optimize import least_squares
 
 from kvbench.cache.capacity import ModelGeometry
-from kvbench.hardware import HARDWARE
+from kvbench.models import HARDWARE
 
 # Vidur's kernel names → operators.py's
 KERNELS = {

@@ -12,7 +12,7 @@ round starts a fresh cluster per node count (its start timed apart, `cluster_sta
           capacities, without the Belady bound, reports included; traces reach the nodes through the object
           store and run directories come back to the driver), a fresh --out each run;
   load    `kvbench replay --backend openai --workers N --executor ray --ray-address ADDR` against the fake
-          server (`python -m kvbench.live.fakeserver`, its own process for the whole benchmark, so that it
+          server (`python -m kvbench.testing.fakeserver`, its own process for the whole benchmark, so that it
           shares no process with the clients): max completed rate (`--requests` requests at --rate 1e9) and
           the schedule lag of a Poisson run at `--rate` req/s; completed req/s and lag are computed from
           requests.parquet exactly as benchmarks/client_overhead.py does (its `summarize`);
@@ -116,13 +116,13 @@ def sweep(args, executor: list[str], out: Path) -> dict:
 
 
 class FakeServerProcess:
-    """`python -m kvbench.live.fakeserver` in a process of its own, with its CPU time readable from /proc."""
+    """`python -m kvbench.testing.fakeserver` in a process of its own, with its CPU time readable from /proc."""
 
     def __init__(self, log: Path):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log, "w")
-        cmd = [sys.executable, "-m", "kvbench.live.fakeserver", "--port", str(port), "--block-size", "16"]
+        cmd = [sys.executable, "-m", "kvbench.testing.fakeserver", "--port", str(port), "--block-size", "16"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + 60
         while True:
@@ -270,7 +270,7 @@ def write_result(args, rounds: list[dict], run: dict) -> dict:
             "options": "--no-bound, reports included",
         },
         "load": {
-            "server": "python -m kvbench.live.fakeserver (own process, not pinned)",
+            "server": "python -m kvbench.testing.fakeserver (own process, not pinned)",
             "trace": f"generated: {args.input_len}-token prompts, no shared prefix, {args.output_len} output tokens",
             "max_rate_requests": args.requests,
             "poisson_rate_rps": args.rate,

@@ -7,7 +7,7 @@ TTFT = send to the first content event, per request. Prompts are distinct (`--in
 random start each), so the engine's prefix cache does not favour either side.
 
 The upstream is `--upstream URL` (e.g. the vLLM CPU engine) or, by default, the fake server
-(`python -m kvbench.live.fakeserver`, instant answers: the proxy's own cost with nothing to hide it). The
+(`python -m kvbench.testing.fakeserver`, instant answers: the proxy's own cost with nothing to hide it). The
 proxy is the real command (`kvbench trace record`, a subprocess) tokenizing with the upstream's /tokenize.
 At the end the proxy is stopped with SIGTERM and its trace must hold one row per proxied request.
 `--no-recording` runs the same proxy with recording switched off: the hop alone, to set its cost apart.
@@ -139,7 +139,7 @@ def main() -> None:
         upstream = args.upstream
         if not upstream:
             port = free_port()
-            fake = [sys.executable, "-m", "kvbench.live.fakeserver", "--port", str(port)]
+            fake = [sys.executable, "-m", "kvbench.testing.fakeserver", "--port", str(port)]
             procs.append(subprocess.Popen(fake))
             upstream = f"http://127.0.0.1:{port}"
         wait_up(upstream)

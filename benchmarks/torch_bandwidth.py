@@ -61,7 +61,7 @@ from kvbench.backends.torchkv.pools import DiskPool, TensorPool
 from kvbench.backends.torchkv.transfers import COPY_MODES, Mover
 
 from kvbench.cache.capacity import MODELS
-from kvbench.hardware import HARDWARE
+from kvbench.models import HARDWARE
 
 RESULTS = Path(__file__).parent / "results"
 DIRECTIONS = ("hbm->dram", "dram->hbm", "dram->ssd", "ssd->dram")

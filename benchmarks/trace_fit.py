@@ -105,7 +105,7 @@ def exact_copies(name: str, path: Path, work: Path, k: int = 2) -> dict:
     import pyarrow.compute as pc
 
     from kvbench.cache.prepared import fold_isolation
-    from kvbench.report import twin as report
+    from kvbench.run import twin as twin_measure
     from kvbench.trace.files import new_meta, write_trace
     from kvbench.trace.validation import read_valid_trace
 
@@ -130,21 +130,21 @@ def exact_copies(name: str, path: Path, work: Path, k: int = 2) -> dict:
     both = pa.concat_tables(parts)
     both = both.take(np.argsort(np.tile(np.arange(table.num_rows), k), kind="stable"))
     out = write_trace(both, work / f"{name}-exact-x{k}.parquet", new_meta(meta.block_size, {"generator": "copies"}))
-    fid = report.fidelity(table, path, both, out, meta.block_size, float(k))
+    fid = twin_measure.fidelity(table, path, both, out, meta.block_size, float(k))
     return {"infinite_cache_gap": fid["infinite_cache"]["gap_steady"], "max_curve_gap": fid["max_curve_gap_steady"]}
 
 
 def seed_to_seed(kind: str, paths: list[Path]) -> dict:
     """The same generator at two seeds, measured as a twin is: how far apart two draws of one workload are.
     No twin of one draw can be expected closer to it than another draw of the same generator."""
-    from kvbench.report import twin as report
+    from kvbench.run import twin as twin_measure
     from kvbench.trace.validation import read_valid_trace
 
     gaps = []
     for a, b in zip(paths, paths[1:] + paths[:1]):
         ta, meta = read_valid_trace(a)
         tb, _ = read_valid_trace(b)
-        fid = report.fidelity(ta, a, tb, b, meta.block_size)
+        fid = twin_measure.fidelity(ta, a, tb, b, meta.block_size)
         inf, curve = fid["infinite_cache"]["gap_steady"], fid["max_curve_gap_steady"]
         gaps.append({"infinite_cache_gap": inf, "max_curve_gap": curve})
     return {

@@ -21,6 +21,7 @@ import click
 
 from kvbench.errors import KvbenchError
 
+NO_UNIT = ("name", "path", "on/off", "unitless", "")  # what an option states when no unit applies
 UNIT_TAG = "[unit: "  # how every help states its unit, so that a test (and a reader) can find it
 
 

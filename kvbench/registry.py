@@ -104,6 +104,11 @@ class Registry(MutableMapping[str, T]):
         self._points.pop(name, None)
         self._entries[name] = entry
 
+    def add_lazy(self, name: str, value: str) -> None:
+        """Register "module:attribute" under `name`, imported on the name's first read (as an entry point is)."""
+        self._entries.pop(name, None)
+        self._points[name] = EntryPoint(name, value)
+
     def register(self, name: str) -> Callable[[T], T]:
         """A decorator that registers what it decorates under `name` and returns it unchanged."""
 

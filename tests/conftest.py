@@ -118,7 +118,7 @@ def make_trace(n=6, block_size=4, **overrides) -> pa.Table:
 
 
 def without_fairness_views(points: list[dict]) -> list[dict]:
-    """Points as a streamed replay reports them: the per-tenant fairness views (kvbench.run.fairness) need the trace
+    """Points as a streamed replay reports them: the per-tenant fairness views (kvbench.metrics.fairness) need the trace
     in memory, so an in-memory run's points are compared with a streamed run's without them."""
     out = []
     for p in points:
@@ -173,7 +173,7 @@ def ray_cluster():
         return
     with pytest.MonkeyPatch.context() as mp:
         # Ray puts the driver's folder on its workers' path: from the repository root they import test modules
-        # (tests/unit/test_sweep_executors.py sends a task class of its own)
+        # (tests/unit/run/test_sweep_executors.py sends a task class of its own)
         mp.chdir(REPO)
         # "local": a cluster of its own, never one that already runs on this machine (ray.init() would join it)
         ray.init(

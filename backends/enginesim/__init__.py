@@ -1,7 +1,7 @@
 """`engine-sim`: a discrete-event model of serving instances that turns a trace into modeled TTFT / TPOT /
 E2EL, queueing, KV occupancy over time and tier traffic (docs/architecture.md, Built-in backends). It reuses
 the `sim` backend's keys (salt and LoRA folding) and policies (their reference classes, driven request by
-request), and a roofline latency model from a model geometry and a hardware spec (kvbench.hardware,
+request), and a roofline latency model from a model geometry and a hardware spec (kvbench.models,
 overridable from a TOML file)."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from kvbench.cache.policy_options import check_quota_tenants, parse_policy_optio
 from kvbench.cache.prepared import prepare
 from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, TierStack, check_store_options
 from kvbench.errors import KvbenchError
-from kvbench.live.latency import modeled_latency_summary, parse_slo
+from kvbench.metrics.latency import modeled_latency_summary
+from kvbench.metrics.slo import parse_slo
 from kvbench.options import option
 from kvbench.run.backend import PointResult
 from kvbench.trace.files import TraceMeta
@@ -55,10 +56,10 @@ class EngineSimConfig:
         key="policies",
     )
     hardware: str = option(
-        "h100", "accelerator preset (kvbench.hardware) or a [hardware.NAME] table of --specs", unit="name"
+        "h100", "accelerator preset (kvbench.models) or a [hardware.NAME] table of --specs", unit="name"
     )
     model: str = option(
-        "llama3-8b", "model geometry preset (kvbench.hardware) or a [model.NAME] table of --specs", unit="name"
+        "llama3-8b", "model geometry preset (kvbench.models) or a [model.NAME] table of --specs", unit="name"
     )
     specs: str | None = option(
         None, "TOML file of hardware/model tables that override or add presets", unit="path",
@@ -175,7 +176,7 @@ class EngineSimBackend:
     def __init__(self, config: EngineSimConfig | None = None, **kwargs):
         """`config`, or its fields as keyword arguments; the other keywords are the policies' options (--quota,
         as the sim backend takes them) and the scenarios'."""
-        from kvbench.hardware import load_specs, resolve_hardware, resolve_model
+        from kvbench.models import load_specs, resolve_hardware, resolve_model
 
         c, others = options.build(EngineSimConfig, config, kwargs)
         fields = {f.name: f for f in dataclasses.fields(EngineSimConfig)}

@@ -25,7 +25,7 @@ from kvbench.backends.enginesim.scenarios.disagg import HOP_S, pipeline_s
 
 from kvbench.cache.capacity import KV_DTYPE_BYTES
 from kvbench.errors import KvbenchError
-from kvbench.hardware import weight_split
+from kvbench.models import weight_split
 
 
 @dataclass(frozen=True)

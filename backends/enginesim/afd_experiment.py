@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from kvbench.errors import KvbenchError
-from kvbench.hardware import HARDWARE, MODELS, weight_split
+from kvbench.models import HARDWARE, MODELS, weight_split
 from kvbench.run.rundir import RunDir, stamp
 
 MAX_BATCH = 256  # sequences per attention device (vLLM's default max_num_seqs), or per colocated DP group
@@ -122,7 +122,7 @@ def write(path: Path, cases: list[dict], command: str) -> None:
 
 
 @click.command("attn-ffn")
-@click.option("--model", required=True, help="model preset (kvbench.hardware.MODELS), e.g. deepseek-v3 [unit: name]")
+@click.option("--model", required=True, help="model preset (kvbench.models.MODELS), e.g. deepseek-v3 [unit: name]")
 @click.option("--hardware", required=True, help="device preset, e.g. h200 [unit: name]")
 @click.option("--devices", type=int, required=True, help="devices split between the two sides [unit: devices]")
 @click.option(

@@ -1,6 +1,6 @@
 """vLLM's block pool (`QuickPool`, pool.py) for the compiled engine loop (compiled_loop.py), one pool per
 instance in shared arrays: the same free queue, the same slot numbering, the same order of every change, so
-a replay through it gives the Python loop's results bit for bit (tests/unit/enginesim/test_compiled_loop.py).
+a replay through it gives the Python loop's results bit for bit (tests/backends/enginesim/test_compiled_loop.py).
 
 Layout, instance `i` first in every array:
 

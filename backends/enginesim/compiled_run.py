@@ -2,7 +2,7 @@
 arrays, the arrays back into the `Req` and `Instance` objects that results.py reads, so that both loops feed
 the same report code. The Python loop (cluster.py) stays the reference and runs everything the compiled one
 does not cover (scenarios, tiers below HBM, closed loop, a client concurrency limit, other policies, routers
-a plugin registers); tests/unit/enginesim/test_compiled_loop.py replays traces through both and compares.
+a plugin registers); tests/backends/enginesim/test_compiled_loop.py replays traces through both and compares.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from kvbench.backends.enginesim.roofline import LatencyModel
 
 from kvbench.cache.capacity import KV_DTYPE_BYTES
 from kvbench.errors import KvbenchError
-from kvbench.hardware import DEPLOYMENTS, weight_split
+from kvbench.models import DEPLOYMENTS, weight_split
 from kvbench.options import with_units
 
 DEGREES = ("tp", "pp", "ep", "dp_attention")
@@ -53,7 +53,7 @@ OPTIONS = with_units(
             type=click.Choice(list(DEPLOYMENTS)),
             default=None,
             help="preset instance: model, hardware, tp/pp/ep/dp-attention and weight dtype together "
-            "(kvbench.hardware.DEPLOYMENTS); options given explicitly win",
+            "(kvbench.models.DEPLOYMENTS); options given explicitly win",
         ),
         *_degree_options(),
         click.Option(
@@ -180,7 +180,7 @@ def check_layout(model, tp: int, pp: int, ep: int, dp: int, prefix: str = "") ->
     if ep > 1 and not weight_split(model).moe:
         raise KvbenchError(
             f"{flag('ep')} {ep}: {model.name} has no routed experts to spread (expert parallelism is for MoE "
-            "models with a WeightSplit entry in kvbench.hardware); leave --ep at 1"
+            "models with a WeightSplit entry in kvbench.models); leave --ep at 1"
         )
     for name, value in (("ep", ep), ("dp-attention", dp)):
         if tp % value:

@@ -16,7 +16,7 @@ each iteration that looks at the queue), which is most of a long replay's time. 
 
 The same order of every change and of every call a scenario may hook (`contains`, `lookup`, `on_hit`,
 `insert`, `evict`, `take` through instance attributes), so the results are the reference's, bit for bit
-(tests/unit/enginesim/test_quick_pool.py drives both with the same calls and compares their whole state, and
+(tests/backends/enginesim/test_quick_pool.py drives both with the same calls and compares their whole state, and
 replays traces through engine-sim with each).
 """
 

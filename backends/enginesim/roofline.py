@@ -21,7 +21,7 @@ from kvbench.backends.enginesim import operators
 
 from kvbench.cache.capacity import KV_DTYPE_BYTES, ModelGeometry
 from kvbench.errors import KvbenchError
-from kvbench.hardware import Hardware
+from kvbench.models import Hardware
 
 ACT_BYTES = 2  # activations travel as bf16 whatever the weight and KV formats: the all-reduce payload per value
 
@@ -50,7 +50,8 @@ class Calibration:
         N·P + N(N+1)/2 of them, a decode of a sequence holding P tokens P + 1. What makes long prefills superlinear.
     s_per_kv_token: per cached KV token the iteration reads (the memory side of attention).
     join_window_s: not a step term: an idle engine's first step also takes the requests that reach it up to this
-        long after the first (measured with pairs of requests sent a set offset apart, kvbench/calibrate/joining.py).
+        long after the first (measured with pairs of requests sent a set offset apart,
+        backends/enginesim/calibrate/joining.py).
         It is the last part of request_overhead_s, which a lone request's measured TTFT already holds: a request
         reaches the scheduler request_overhead_s − join_window_s after its send, and an idle instance starts its
         step join_window_s after the first arrival.
@@ -101,7 +102,7 @@ class Calibration:
         """Seconds of one iteration of `seqs` sequences running `tokens` tokens through the model, computing
         `pairs` attention pairs and reading `kv_read` cached KV tokens (the request overhead is not a step's; it is
         `request_overhead_s`, paid before the scheduler). `kvbench calibrate` fits the terms to this sum: its rows
-        are kvbench/calibrate/design.py. A step with no tokens costs nothing."""
+        are backends/enginesim/calibrate/design.py. A step with no tokens costs nothing."""
         if tokens == 0:
             return 0.0
         return (

@@ -23,11 +23,11 @@ from kvbench.backends.openai.address import DEFAULT_KEY_ENV, ServerAddress, api_
 
 from kvbench import options
 from kvbench.errors import KvbenchError
-from kvbench.live.latency import parse_slo
-from kvbench.run.pacing import Outcome, Pacing
 from kvbench.live.prompts import words
+from kvbench.metrics.slo import parse_slo
 from kvbench.options import option
 from kvbench.redact import is_secret_name, redact
+from kvbench.run.pacing import Outcome, Pacing
 from kvbench.trace.files import TraceMeta
 from kvbench.trace.tokens import DEFAULT_VOCAB
 

@@ -19,7 +19,7 @@ from kvbench.cache.capacity import MODELS, check_capacities, parse_capacities, p
 from kvbench.cache.policy_options import parse_policy_options, policy_option_params
 from kvbench.cache.prepared import prepare
 from kvbench.errors import KvbenchError
-from kvbench.hardware import HARDWARE
+from kvbench.models import HARDWARE
 from kvbench.options import option
 from kvbench.run.backend import PointResult, Progress
 from kvbench.run.pointnames import point_name

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kvbench.hardware import HARDWARE, Hardware
+from kvbench.models import HARDWARE, Hardware
 
 BASELINE_CAP = 256 << 20  # bytes: a larger batch is measured at this size (the rate has flattened by then)
 # least vs_contiguous of a coalesced or staged move between HBM and DRAM, by device type (issue 18)

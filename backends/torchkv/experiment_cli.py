@@ -39,11 +39,11 @@ def run_kv_quant(trace_path, memory: str, model: str, *, kv_dtypes: str = DEFAUL
                  command: str | None = None):  # fmt: skip
     """The experiment as a function: (run directory, result dict). Every option is checked before the run
     directory is claimed."""
+    from kvbench.backends.torchkv.kv_quant_report import write_reports
     from kvbench.backends.torchkv.quant_error import ErrorSettings, measure, pick_requests
     from kvbench.backends.torchkv.quantization import MixedPolicy, bytes_per_token, check_group, kv_format
     from kvbench.backends.torchkv.synthetic_kv import SyntheticKv
 
-    from kvbench.report.kv_quant import write_reports
     from kvbench.run.runner import run_replay
     from kvbench.trace.validation import read_valid_trace
 
@@ -259,9 +259,8 @@ def kv_quant(trace_path, memory, model, kv_dtypes, group_size, key_grouping, val
              seed, device, out, overwrite, plots):  # fmt: skip
     """KV formats on one trace: capacity gained (blocks that fit --memory), the sim's hit rate there, and the
     attention error against bf16 by decode position (docs/kv-quantization.md)."""
+    from kvbench.backends.torchkv.kv_quant_report import markdown_table
     from kvbench.backends.torchkv.quant_error import ErrorSettings
-
-    from kvbench.report.kv_quant import markdown_table
 
     settings = ErrorSettings(max_context=max_context, requests=n_requests, layers=layers, buckets=buckets,
                              queries_per_bucket=queries_per_bucket, age_parts=age_parts, seed=seed,

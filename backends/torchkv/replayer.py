@@ -231,7 +231,7 @@ class PointReplay:
     def _result(self, labels, cols, ttft, tpot, e2el, itl, out_tokens) -> PointResult:
         from kvbench.backends.torchkv.bandwidth import hardware_for, transfer_report
 
-        from kvbench.live.latency import modeled_latency_summary
+        from kvbench.metrics.latency import modeled_latency_summary
 
         prep, bs = self.prep, self.prep.block_size
         inp = prep.input_tokens.astype(np.int64)

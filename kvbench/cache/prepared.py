@@ -17,7 +17,7 @@ import pyarrow as pa
 from kvbench.cache.densify import Numbering, densify, flat_ids, next_request_use
 from kvbench.trace.blockhash import mix, name_key
 from kvbench.trace.compute import call, dictionary_encode, fill_null, to_text
-from kvbench.trace.metrics import NO_LABEL
+from kvbench.trace.hitsums import NO_LABEL
 from kvbench.trace.schema import DEFAULT_PRIORITY
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import sys
@@ -13,6 +12,7 @@ import pyarrow as pa
 
 from kvbench import __version__
 from kvbench.errors import KvbenchDeprecationWarning, KvbenchError, KvbenchWarning
+from kvbench.registry import Registry
 
 # Library errors that are the user's input, not kvbench's bug: a file (or folder) named on the command line
 # that cannot be opened, read or written, and data that Arrow refuses on reading a user's file. kvbench's own
@@ -31,21 +31,20 @@ def _is_users_input(exc: BaseException) -> bool:
 
 
 class LazyGroup(click.Group):
-    """A group whose subcommands are imported when one is used, not when `kvbench` starts: `lazy` maps each
-    name to "module:attribute". A simulator run then loads what it needs and not, say, the calibration's
-    scipy (an import of every command took 1.4 s of a 2 s `kvbench replay`)."""
+    """A group whose subcommands come from a Registry (entry points, `Registry.add_lazy`) and are imported when
+    one is used, not when `kvbench` starts. A simulator run then loads what it needs and not, say, the
+    calibration's scipy (an import of every command took 1.4 s of a 2 s `kvbench replay`)."""
 
-    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, registry: Registry | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})
+        self.registry = registry if registry is not None else Registry(None, "command")
 
     def list_commands(self, ctx):
-        return sorted({*super().list_commands(ctx), *self.lazy})
+        return sorted({*super().list_commands(ctx), *self.registry})
 
     def get_command(self, ctx, name):
-        if name in self.lazy and name not in self.commands:
-            module, attribute = self.lazy[name].split(":")
-            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        if name not in self.commands and name in self.registry:
+            self.add_command(self.registry[name], name)
         return super().get_command(ctx, name)
 
 
@@ -73,16 +72,14 @@ class FriendlyGroup(LazyGroup):
 
 
 # each command `name` is the function `name` of the module kvbench/cli/name.py
-COMMANDS = {
-    name: f"kvbench.cli.{name}:{name}"
-    for name in ("trace", "replay", "engine", "audit", "compare", "sweep", "report", "demo", "calibrate", "fidelity",
-                 "experiment")
-}
+# kvbench's commands, the core's and those a plug-in provides (engine-sim's `calibrate`), are the
+# `kvbench.commands` entry points: pyproject.toml declares them, and an installed plug-in adds its own.
+COMMANDS: Registry[click.Command] = Registry(None, "command", group="kvbench.commands")
 
 
 @click.group(
     cls=FriendlyGroup,
-    lazy=COMMANDS,
+    registry=COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
 @click.version_option(__version__, prog_name="kvbench")

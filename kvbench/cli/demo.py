@@ -48,7 +48,7 @@ def demo(out, overwrite, n, seed, live, live_llama):
     grid (with the Belady bound and the one-pass LRU curve), and write OUT/index.html linking every report."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from kvbench.run.demo import demo_backends, run_demo
+    from kvbench.cli.demo_run import demo_backends, run_demo
     from kvbench.run.rundir import RunDir
     from kvbench.trace.generators import registry
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import click
 
 from kvbench.cli import LazyGroup
-from kvbench.registry import entry_points
+from kvbench.registry import Registry
 
-EXPERIMENTS = {ep.name: ep.value for ep in entry_points("kvbench.experiments")}
+EXPERIMENTS: Registry[click.Command] = Registry(None, "experiment", group="kvbench.experiments")
 
 
-@click.group(cls=LazyGroup, lazy=EXPERIMENTS)
+@click.group(cls=LazyGroup, registry=EXPERIMENTS)
 def experiment() -> None:
     """Experiments: `kv-quant` (KV formats on a trace: capacity gained, hit rate, attention error) and `attn-ffn`
     (attention/FFN disaggregation: tokens/s per device and TPOT against the attention:FFN device ratio)."""

@@ -42,8 +42,8 @@ def _kvbench(*args) -> None:
 async def _server(url: str, model: str | None) -> dict:
     import aiohttp
 
-    from kvbench.calibrate.endpoint import model_info, server_facts
-    from kvbench.calibrate.servers import llama_facts, request_context
+    from kvbench.live.endpoint import model_info, server_facts
+    from kvbench.live.servers import llama_facts, request_context
 
     async with aiohttp.ClientSession() as session:
         name, max_len = await model_info(session, url, model)
@@ -59,7 +59,7 @@ def _engine_sim_setup(server: dict, block_size: int | None, trace_block_size: in
     defaults). llama.cpp: `llama-slot` over the whole context in blocks (its slots when they split the context),
     its slots as the sequences a step runs (`--parallel` decode together in one batch) and its n_batch as the
     tokens a step takes (each iteration fills one batch: generating slots' tokens first, then prompt tokens)."""
-    from kvbench.calibrate.servers import step_budget
+    from kvbench.live.servers import step_budget
 
     if server.get("engine") == "llama.cpp":
         bs = block_size or trace_block_size  # no blocks in llama-server: the trace's own cut serves the policy
@@ -169,7 +169,7 @@ def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, co
     """How far engine-sim is from a live engine on the same requests: calibrate, replay live, replay modeled
     (the live send times, output lengths, scheduler limits and KV pool), and report per-request TTFT / TPOT /
     E2EL errors (MAPE, median ratio, p90) and cached-token exactness, overall, by workload and by tenant."""
-    from kvbench.calibrate.endpoint import base_url, host_port, shown
+    from kvbench.live.endpoint import base_url, host_port, shown
     from kvbench.run import fidelity as F
     from kvbench.run.runner import run_replay
 

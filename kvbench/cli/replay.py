@@ -10,14 +10,14 @@ import sys
 import click
 
 from kvbench.errors import KvbenchError
+from kvbench.metrics.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
+from kvbench.metrics.fairness import describe_guarantee
+from kvbench.metrics.saturation import describe as describe_saturation
 from kvbench.redact import redact_argv
-from kvbench.run.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
-from kvbench.run.fairness import describe_guarantee
 from kvbench.run.limits import CONTEXT_HELP, FIT_HELP, MAX_OUTPUT_HELP
-from kvbench.trace.context import FIT_MODES
 from kvbench.run.plugins import backend_names, load_backend
 from kvbench.run.runner import LIVE_EXECUTORS
-from kvbench.run.saturation import describe as describe_saturation
+from kvbench.trace.context import FIT_MODES
 from kvbench.trace.stats import DEFAULT_WARMUP
 
 DEFAULT_BACKEND = "sim"
@@ -157,7 +157,7 @@ class ReplayCommand(click.Command):
 )
 @click.option(
     "--executor",
-    type=click.Choice(LIVE_EXECUTORS),
+    type=click.Choice(list(LIVE_EXECUTORS)),
     default="local",
     show_default=True,
     help="local: one client in this process (--workers 1 only); ray: each worker a Ray actor, its results merged "
@@ -197,8 +197,8 @@ def replay(
 
     Example: kvbench replay traces/samples/chat.parquet --policy lru,radix-lru --capacity 1000,3000,10000
     """
+    from kvbench.metrics.fairness import parse_tenant_slo, parse_tenant_weights
     from kvbench.run.backend import Progress as PointProgress
-    from kvbench.run.fairness import parse_tenant_slo, parse_tenant_weights
     from kvbench.run.limits import RequestLimits
     from kvbench.run.runner import run_replay
 

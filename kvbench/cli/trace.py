@@ -12,6 +12,7 @@ import click
 from kvbench.cli import LazyGroup
 from kvbench.cli.render import console, info_markdown, print_info
 from kvbench.errors import KvbenchError
+from kvbench.registry import Registry
 from kvbench.trace import generators, importers
 from kvbench.trace.export import EXPORTERS
 from kvbench.trace.files import read_meta, write_trace
@@ -19,15 +20,14 @@ from kvbench.trace.scan import trace_info_file, validate_file
 from kvbench.trace.stats import DEFAULT_WARMUP
 from kvbench.trace.validation import check, read_valid_trace
 
+# The subcommands kept in modules of their own, imported when used; the others are defined below.
+SUBCOMMANDS: Registry[click.Command] = Registry(None, "trace command")
+SUBCOMMANDS.add_lazy("anonymize", "kvbench.cli.trace_anonymize:anonymize_command")
+SUBCOMMANDS.add_lazy("fit", "kvbench.cli.trace_fit:trace_fit")
+SUBCOMMANDS.add_lazy("record", "kvbench.cli.trace_record:record")
 
-@click.group(
-    cls=LazyGroup,
-    lazy={
-        "anonymize": "kvbench.cli.trace_anonymize:anonymize_command",
-        "fit": "kvbench.cli.trace_fit:trace_fit",
-        "record": "kvbench.cli.trace_record:record",
-    },
-)
+
+@click.group(cls=LazyGroup, registry=SUBCOMMANDS)
 def trace() -> None:
     """Create and inspect workload traces (Parquet, schema v1)."""
 

@@ -65,6 +65,7 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     """
     from kvbench.cache.prepared import fold_isolation
     from kvbench.report import twin as report
+    from kvbench.run import twin as twin_measure
     from kvbench.trace.files import new_meta, write_trace
     from kvbench.trace.fit import check as self_check
     from kvbench.trace.fit import model, synth
@@ -102,7 +103,7 @@ def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     st_twin = model.structure(twin)
     if fidelity:
         _say("self-check: infinite cache and radix-lru at 8 capacities, original and twin…")
-        fid = report.fidelity(table, src, twin, out, meta.block_size, scale)
+        fid = twin_measure.fidelity(table, src, twin, out, meta.block_size, scale)
         fid["statistics"] = self_check.compare(st_orig, table, st_twin, twin)
         warning = self_check.verdict(fid, fid["statistics"])
         fid["faithful"] = warning is None

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvbench.calibrate.endpoint import base_url
 from kvbench.errors import KvbenchError
+from kvbench.live.endpoint import base_url
 from kvbench.redact import redact_text, redact_url
 
 PROBE_TOKENS = 512  # long enough to fill several blocks at any common block size (16 … 256)

@@ -4,7 +4,7 @@ on and every request is accounted for.
 
 A request's `error` starts with a short, stable class (`http 500`, `timeout`, `connection refused`, `stream
 cut`, `not an event stream`, `malformed event`, `error event`, …) and a colon, so that failures can be counted
-by kind (`kvbench.live.latency.error_class`); the rest is one line of detail, secrets masked."""
+by kind (`kvbench.metrics.latency.error_class`); the rest is one line of detail, secrets masked."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import aiohttp
 from yarl import URL
 
 from kvbench.live.http1 import BadAnswer, BodyCut, ConnectionDropped, Pool
-from kvbench.run.pacing import Outcome
 from kvbench.live.sse import BODY_SHOWN, EventStream, StreamError
 from kvbench.redact import redact_text
+from kvbench.run.pacing import Outcome
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 JSON = {"Content-Type": "application/json"}

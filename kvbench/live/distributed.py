@@ -30,10 +30,10 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.errors import KvbenchError, KvbenchWarning
-from kvbench.live.latency import per_request
-from kvbench.run.pacing import Outcome, request_count, schedule_offsets
 from kvbench.live.replay import DONE, IncrementalResults, point_summary, previous_outcomes, resumed_clock
+from kvbench.metrics.latency import per_request
 from kvbench.run.executors import init_ray
+from kvbench.run.pacing import Outcome, request_count, schedule_offsets
 
 START_MARGIN_S = 2.0  # the shared start is this far after the workers are placed: it covers their connect
 POLL_S = 0.5  # how often the driver collects answered requests from the workers

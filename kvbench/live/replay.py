@@ -19,14 +19,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.errors import KvbenchError
-from kvbench.live.latency import latency_summary, per_request
-from kvbench.run.pacing import Outcome, request_count
 from kvbench.live.dispatch import dispatch
 from kvbench.live.servercounters import reconcile
+from kvbench.metrics.failures import failure_summary
+from kvbench.metrics.hits import point_metrics
+from kvbench.metrics.latency import latency_summary, per_request
 from kvbench.run.backend import OnlineBackend, PointResult
-from kvbench.run.failures import failure_summary
+from kvbench.run.pacing import Outcome, request_count
 from kvbench.run.results import ResultWriter, read_requests, result_files, result_rows
-from kvbench.trace.metrics import point_metrics
 
 FLUSH_SECONDS = 2.0  # the longest an outcome waits to be written as a durable part: a kill loses at most this much
 FLUSH_EVERY = 4096  # ... or sooner, once this many are pending (bounded memory). Each part costs a Parquet
@@ -200,6 +200,13 @@ def resumed_clock(kept: dict[int, Outcome]) -> float:
 
 def previous_outcomes(run_dir: Path, table: pa.Table, resume: bool) -> dict[int, Outcome]:
     return _previous(run_dir, table) if resume else {}
+
+
+def run_here(backend, backend_name, backend_options, table, meta, run_dir, summary, warmup, progress=None, *,
+             resume=False, workers=1, ray_address="") -> None:
+    """`--executor local` (kvbench.run.runner.LIVE_EXECUTORS): `run_live` in this process; the Ray executor's
+    arguments (its workers, its cluster, the backend's name to rebuild it there) are not needed here."""
+    run_live(backend, table, meta, run_dir, summary, warmup, progress, resume=resume)
 
 
 def run_live(

@@ -29,7 +29,7 @@ def bytes_per_block(summary: dict) -> float | None:
     run named none or it cannot be resolved any more (a specs file gone since): capacities then stay in blocks."""
     from kvbench.cache.capacity import KV_DTYPE_BYTES
     from kvbench.errors import KvbenchError
-    from kvbench.hardware import resolve_model
+    from kvbench.models import resolve_model
 
     config = summary.get("config") or {}
     dtype = config.get("kv_dtype") or "bf16"

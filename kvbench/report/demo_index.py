@@ -84,7 +84,7 @@ def _curves(demo) -> str | None:
 def _serving_row(run, p: dict) -> list[str]:
     """One point's row: the deployment, whether it kept up, and its latencies only when it did (a saturated
     point's percentiles measure how long the trace ran, not the deployment)."""
-    from kvbench.run.saturation import describe
+    from kvbench.metrics.saturation import describe
 
     lat, engine, verdict = p["latency"], p["engine"], p.get("saturation") or {}
     tpot = lat.get("tpot") or {}

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbench.live.latency import error_class
+from kvbench.metrics.latency import error_class
 from kvbench.report.page import Figure, Section, Table, pct, svg
 from kvbench.report.style import FULL_WIDTH, duration, plain, time_axis
 

@@ -1,4 +1,4 @@
-"""The report's three further views of tenant fairness (`kvbench.run.fairness`): hit rate over each tenant's own
+"""The report's three further views of tenant fairness (`kvbench.metrics.fairness`): hit rate over each tenant's own
 bound, hit share over entitlement (--tenant-weights), SLO attainment and the TTFT p99 guarantee (--tenant-slo or
 the trace's targets); a summary row per point, then each point's tenants."""
 

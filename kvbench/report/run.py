@@ -62,21 +62,6 @@ def run_section(summary: dict, truncated: bool) -> Section:
     return Section("Run", items)
 
 
-NO_UNIT = ("name", "path", "on/off", "unitless", "")
-
-
-def _option_units(backend: str) -> dict[str, str]:
-    """The unit each of the backend's options states in its --help, by option name; none when the backend
-    is not installed here (a report of someone else's run)."""
-    from kvbench.options import unit_of
-    from kvbench.run.plugins import load_backend
-
-    try:
-        return {p.name: unit_of(p) or "" for p in load_backend(backend).cli_options()}
-    except (KeyError, ImportError):  # not installed, or broken here: only the unit column is lost
-        return {}
-
-
 def _setting(value) -> str:
     """A config value as a person writes it: booleans as yes/no, lists joined, numbers without scientific
     notation, file paths cut to their name (a report is shared, the machine's layout isn't)."""
@@ -96,13 +81,13 @@ def config_section(summary: dict) -> Section:
     unset ones left out. Pacing, a nested record, is spread over its own rows."""
     config = dict(summary.get("config") or {})
     config.update({f"pacing: {k}": v for k, v in (config.pop("pacing", None) or {}).items()})
-    units = _option_units(summary["backend"])
+    units = summary.get("units") or {}  # recorded by the runner (a run of an older kvbench has none)
     rows = []
     for key, value in sorted(config.items()):
         if value in (None, "", [], {}, ()):
             continue
         unit = units.get(key.removeprefix("pacing: ").replace("-", "_"), "")
-        rows.append([key.replace("_", " "), _setting(value), "" if unit in NO_UNIT else unit])
+        rows.append([key.replace("_", " "), _setting(value), unit])
     return Section("Configuration", [Table(["setting", "value", "unit"], rows)] if rows else [])
 
 

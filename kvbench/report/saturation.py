@@ -1,6 +1,6 @@
 """The saturation section of a run report: for every point with timing (engine-sim, live), whether the
 deployment kept up with the load, from when it did not, offered against served rate, and, when saturated, the
-queueing delay over the run, so a latency table beside it is read for what it is (kvbench/run/saturation.py,
+queueing delay over the run, so a latency table beside it is read for what it is (kvbench/metrics/saturation.py,
 docs/semantics.md, Saturation). Everything comes from summary.json: the verdict carries its binned delays."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import numpy as np
 from kvbench.report.fairness_views import views_items
 from kvbench.report.page import Figure, Section, Table, pct, svg
 from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, plain
-from kvbench.trace.metrics import NO_LABEL
+from kvbench.trace.hitsums import NO_LABEL
 
 MAX_GROUPS = 30  # tenants (or workloads) per plot and table: beyond that a row label is unreadable
 MAX_PANELS = 6  # small multiples per figure: two rows at full width

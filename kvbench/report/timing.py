@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbench.live.latency import PERCENTILES
+from kvbench.metrics.latency import PERCENTILES
 from kvbench.report.page import Figure, Section, Table, pct, svg
 from kvbench.report.style import FULL_WIDTH, PALETTE, SMALL_MULTIPLE, colour, duration, log_ticks, plain, time_axis
 

@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.options import PolicyOption  # noqa: F401  (declared with the option mechanism; plug-ins take it from here too)
+from kvbench.registry import Registry
 from kvbench.run.pointnames import point_name
 from kvbench.trace.files import TraceMeta
 
@@ -121,6 +122,11 @@ class Backend(Protocol):
         ...
 
 
+# The protocols a backend's `kind` names, registered where each is declared.
+PROTOCOLS: Registry[type] = Registry(None, "backend protocol")
+
+
+@PROTOCOLS.register("offline")
 class OfflineBackend(Backend, Protocol):
     kind: ClassVar[Literal["offline", "streaming"]]
 
@@ -132,6 +138,7 @@ class OfflineBackend(Backend, Protocol):
         ...
 
 
+@PROTOCOLS.register("streaming")
 class StreamingBackend(OfflineBackend, Protocol):
     kind: ClassVar[Literal["streaming"]]
 
@@ -143,10 +150,11 @@ class StreamingBackend(OfflineBackend, Protocol):
         ...
 
 
+@PROTOCOLS.register("online")
 class OnlineBackend(Backend, Protocol):
     kind: ClassVar[Literal["online"]]
     pacing: Pacing  # when requests are sent (`kvbench.run.pacing`); read by the runner, never changed by it
-    slo: dict | None  # latency objectives for the summary (`kvbench.live.latency`), or None
+    slo: dict | None  # latency objectives for the summary (`kvbench.metrics.latency`), or None
 
     def connect(self, trace: pa.Table, meta: TraceMeta, origin: float) -> AbstractAsyncContextManager:
         """Open the client for a run (`origin`: the time.perf_counter() value of the run's time 0); requests
@@ -171,9 +179,6 @@ class DemoGrid(Protocol):
     def demo_options(cls, trace: pa.Table, meta: TraceMeta) -> dict:
         """The options (as `kvbench replay` would pass them) of a small, telling grid for `trace`."""
         ...
-
-
-PROTOCOLS: dict[str, type] = {"offline": OfflineBackend, "streaming": StreamingBackend, "online": OnlineBackend}
 
 
 @runtime_checkable

@@ -23,10 +23,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvbench.errors import KvbenchError
-from kvbench.run.settingcheck import warnings as setting_warnings
 from kvbench.run.fidelity import fidelity as error_table
 from kvbench.run.pointnames import migrate_summary
 from kvbench.run.results import read_requests, requests_schema, result_files
+from kvbench.run.settingcheck import warnings as setting_warnings
 
 LIVE = "openai"
 MODELS = ("engine-sim", "sim")  # offline backends whose runs can be a model of a live run
@@ -105,7 +105,7 @@ def side_by_side(runs: list[dict]) -> list[dict]:
 @dataclass
 class Samples:
     """The measured latencies (seconds) of one point of one run, warm-up and failed requests left out as in
-    `kvbench.live.latency`. Per metric the flat values and how many each request gave (ITL: its gaps, others 1):
+    `kvbench.metrics.latency`. Per metric the flat values and how many each request gave (ITL: its gaps, others 1):
     the bootstrap resamples requests, because the gaps of one request are not independent of each other."""
 
     values: dict[str, np.ndarray] = field(default_factory=dict)

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvbench.errors import KvbenchError
+from kvbench.registry import Registry
 
 Task = Callable[[Any], dict]  # point -> outcome {"status": "ok" | "skipped" | "failed", "error": …, …}
 DEFAULT_RETRIES = 2
 UNLIMITED = sys.maxsize
-EXECUTORS: dict[str, type[PointPool]] = {}  # filled by @executor below: name -> pool class
+EXECUTORS: Registry[type[PointPool]] = Registry(None, "executor")  # filled by @executor below
 
 
 def executor(name: str):
@@ -33,7 +34,7 @@ def executor(name: str):
 
     def add(cls):
         cls.name = name
-        EXECUTORS[name] = cls
+        EXECUTORS.add(name, cls)
         return cls
 
     return add

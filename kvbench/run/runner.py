@@ -8,7 +8,7 @@ import json
 import platform
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,7 +18,13 @@ import pyarrow as pa
 from kvbench import __version__
 from kvbench.cache.densify import numbered_chunks
 from kvbench.errors import KvbenchError, KvbenchWarning
+from kvbench.metrics.fairness import add_fairness_views, has_tenants
+from kvbench.metrics.fairness import check_options as check_fairness
+from kvbench.metrics.hits import MetricSums
+from kvbench.metrics.saturation import saturation
+from kvbench.options import NO_UNIT, unit_of
 from kvbench.redact import redact, redact_text
+from kvbench.registry import Registry
 from kvbench.run.backend import (
     OfflineBackend,
     OnlineBackend,
@@ -29,18 +35,14 @@ from kvbench.run.backend import (
     TraceCacheUser,
     protocol_of,
 )
-from kvbench.run.fairness import add_fairness_views, has_tenants
-from kvbench.run.fairness import check_options as check_fairness
 from kvbench.run.limits import RequestLimits
 from kvbench.run.limits import apply as apply_limits
 from kvbench.run.plugins import load_backend
-from kvbench.run.results import WRITE_ROWS, ResultWriter
+from kvbench.run.results import WRITE_ROWS, ResultWriter, read_requests
 from kvbench.run.rundir import RunDir, stamp
-from kvbench.run.saturation import saturation
 from kvbench.run.tracecache import TraceCache
 from kvbench.trace.compute import pc
 from kvbench.trace.files import TraceMeta
-from kvbench.trace.metrics import MetricSums
 from kvbench.trace.scan import STREAM_BLOCK_REFS, ScannedTrace, block_references, scan_trace, trace_fingerprint
 from kvbench.trace.stats import DEFAULT_WARMUP, hit_rates, infinite_cache_hits
 from kvbench.trace.validation import block_lengths, read_valid_trace
@@ -165,7 +167,7 @@ def run_replay(
     a trace read whole keeps what reading and preparing it computes in the trace cache, and loads it from there
     on the next run of the same file (`tracecache`; results are the same either way). `trace_label`: how the
     results name the trace when `trace_path` is a copy of it (a sweep's point on another node). `fairness`:
-    {"tenant_weights": …, "tenant_slo": …} as `kvbench.run.fairness` parses them, for its per-tenant views.
+    {"tenant_weights": …, "tenant_slo": …} as `kvbench.metrics.fairness` parses them, for its per-tenant views.
     `limits` (`kvbench.run.limits`): outputs capped and prompts fitted to the context, for every backend alike;
     a live backend that reads the engine's settings (`engine_settings()`) has its context checked by default."""
     trace_path = Path(trace_path)
@@ -198,6 +200,7 @@ def run_replay(
     )
     run_dir = claimed.path
     summary = _new_summary(run_dir.name, command, trace_label or trace_path, trace, backend_name, config)
+    summary["units"] = option_units(type(backend))
     summary["limits"] = limited
     if engine is not None:
         summary["engine_settings"] = engine
@@ -225,7 +228,12 @@ def _limited(trace: _Trace, limits: RequestLimits, engine: dict | None, warmup: 
     return (trace if table is whole else _whole(table, trace.meta, warmup)), record
 
 
-LIVE_EXECUTORS = ("local", "ray")  # where a live run's load generators run: this process, or Ray actors
+# Where a live run's load generators run (`--executor`): this process, or Ray actors. The live layer, above this
+# one, provides each as a `kvbench.live_executors` entry point (pyproject.toml): the runner only names them.
+LIVE_EXECUTORS: Registry[Callable] = Registry(None, "live executor", group="kvbench.live_executors")
+# What writes a finished (or interrupted) run's reports: the report layer's `write_reports`, a
+# `kvbench.run_reports` entry point, so that the runner never imports the layer that reads its results.
+RUN_REPORTS: Registry[Callable] = Registry(None, "run report", group="kvbench.run_reports")
 
 
 def check_executor(workers: int, executor: str, online: bool, ray_address: str = "") -> None:
@@ -259,6 +267,13 @@ def _make_backend(backend_name: str, backend_options: dict):
             f"--backend {backend_name} has no option {', '.join(repr(k) for k in unknown)}; its options: {flags}"
         )
     return backend_cls(**backend_options), protocol
+
+
+def option_units(backend_cls) -> dict[str, str]:
+    """The unit each of the backend's options states in its --help, by option name (those with a unit only):
+    recorded in summary.json so that a report, which reads the run directory only, can show them."""
+    units = {p.name: unit_of(p) for p in backend_cls.cli_options()}
+    return {name: unit for name, unit in units.items() if unit and unit not in NO_UNIT}
 
 
 def _new_summary(run_id: str, command, trace_path, trace: _Trace, backend_name: str, config: dict) -> dict:
@@ -314,29 +329,12 @@ def _check_resumable(out: Path, config: dict, force: bool) -> None:
 def _run_online(backend: OnlineBackend, backend_name, backend_options, trace, run_dir, summary, warmup, progress,
                 report, resume, workers, executor, ray_address) -> None:  # fmt: skip
     """The online protocol: requests sent one at a time by the dispatcher, in this process or Ray workers."""
-    # imported here: a simulator's run never needs the live client (aiohttp, Ray's pickling: 0.15 s of start-up)
-    from kvbench.live.distributed import run_distributed
-    from kvbench.live.replay import run_live
-
+    # loaded here: a simulator's run never needs the live client (aiohttp, Ray's pickling: 0.15 s of start-up)
+    send_all = LIVE_EXECUTORS[executor]
     _write_summary(run_dir, summary)
     try:
-        if executor == "ray":
-            run_distributed(
-                backend,
-                backend_name,
-                backend_options,
-                trace.table,
-                trace.meta,
-                run_dir,
-                summary,
-                warmup,
-                progress,
-                resume=resume,
-                workers=workers,
-                ray_address=ray_address,
-            )
-        else:
-            run_live(backend, trace.table, trace.meta, run_dir, summary, warmup, progress, resume=resume)
+        send_all(backend, backend_name, backend_options, trace.table, trace.meta, run_dir, summary, warmup, progress,
+                 resume=resume, workers=workers, ray_address=ray_address)  # fmt: skip
         summary["complete"] = True
     except KeyboardInterrupt:
         summary["interrupted"] = True
@@ -351,7 +349,6 @@ LIVE_TIMING = ["point", "scheduled_send_s", "actual_send_s", "ttft_s", "e2el_s",
 def _live_saturation(run_dir: Path, summary: dict) -> None:
     """A live point's saturation verdict, from the rows just written: its summary record was made by the live
     path (in one process or from Ray workers), requests.parquet holds every outcome either way."""
-    from kvbench.run.results import read_requests
 
     try:
         rows = read_requests(run_dir, columns=LIVE_TIMING)
@@ -444,7 +441,8 @@ def _write_and_sum(point, trace: _Trace, writer: ResultWriter, warmup: float) ->
 
 
 def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:
-    add_fairness_views(run_dir, summary, trace, summary["config"].get("fairness") or {})
+    fairness = summary["config"].get("fairness") or {}
+    add_fairness_views(lambda columns: read_requests(run_dir, columns=columns), summary, trace, fairness)
     if len(summary["points"]) == 1:  # a single point's metrics are also the run's top-level keys
         only = summary["points"][0]
         for key in ("hit_rate", "evictions", "fairness", "by_tenant", "by_workload", "by_modality", "latency"):
@@ -452,9 +450,8 @@ def _finish(run_dir: Path, summary: dict, report: bool, trace=None) -> None:
                 summary[key] = only[key]
     _write_summary(run_dir, summary)
     if report:
-        from kvbench.report import write_reports
-
-        write_reports(run_dir, summary, trace)
+        for write in RUN_REPORTS.values():
+            write(run_dir, summary, trace)
 
 
 def _write_summary(run_dir: Path, summary: dict) -> None:

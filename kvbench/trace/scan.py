@@ -19,7 +19,7 @@ import pyarrow as pa
 from kvbench.errors import ValidationFailed
 from kvbench.trace.compute import call, cast, fill_null, pc
 from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, iter_batches, open_parquet, read_meta, request_ids_at
-from kvbench.trace.metrics import NO_LABEL, HitSums
+from kvbench.trace.hitsums import NO_LABEL, HitSums
 from kvbench.trace.outofcore import GrowingArray, InfiniteCacheStream
 from kvbench.trace.schema import TRACE_SCHEMA
 from kvbench.trace.stats import DEFAULT_WARMUP

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.trace.compute import pc
-from kvbench.trace.metrics import NO_LABEL, HitSums
+from kvbench.trace.hitsums import NO_LABEL, HitSums
 
 PERCENTILES = (50, 90, 99)
 COLUMNS = ("arrival_s", "input_tokens", "output_tokens", "workload", "tenant", "session_id", "user_id")

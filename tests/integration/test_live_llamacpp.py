@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench import engines
+from kvbench.cli.demo_run import live_subset
 from kvbench.live.audit import audit_isolation
-from kvbench.run.demo import live_subset
 from kvbench.run.limits import RequestLimits
 from kvbench.run.runner import run_replay
 from kvbench.trace import generators

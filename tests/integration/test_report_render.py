@@ -18,9 +18,9 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from kvbench.live.fakeserver import FakeServer, fault_plan
 from kvbench.report.screenshot import WIDTH
 from kvbench.run.runner import run_replay
+from kvbench.testing.fakeserver import FakeServer, fault_plan
 
 from ..browser import browser_required, check_pages, points_missing_by_section, table_rows  # noqa: F401  (fixture)
 from ..conftest import CHAT
@@ -244,7 +244,7 @@ def test_the_check_sees_what_is_wrong(tmp_path):
 def demo(tmp_path_factory, shots):
     """The demo (small traces, offline), every page checked in one browser: (its run reports, their checks).
     The index and the multi-tenant workload's reports (the longest) are pictured."""
-    from kvbench.run.demo import run_demo
+    from kvbench.cli.demo_run import run_demo
 
     made = run_demo(tmp_path_factory.mktemp("demo") / "demo", n=200, step=lambda _: None)
     reports = sorted(made.out.glob("runs/*/report.html"))
@@ -257,7 +257,7 @@ def demo(tmp_path_factory, shots):
 
 
 def test_demo_index_and_every_demo_report_render(demo, shots):
-    from kvbench.run.demo import demo_backends
+    from kvbench.cli.demo_run import demo_backends
     from kvbench.trace import generators
 
     reports, checks = demo

@@ -115,27 +115,56 @@ def backend_imports_of_other_backends(found: list[Import]) -> list[str]:
     ]
 
 
-# What each lower layer of the core may not import (docs/architecture.md, Layers): the trace layer is the bottom,
-# the cache model builds on it, and neither knows how runs are made, served, rendered or commanded.
-ABOVE = ("kvbench.run", "kvbench.live", "kvbench.report", "kvbench.cli", "kvbench.calibrate", "kvbench.api")
-NOT_BELOW = {"kvbench.trace": ("kvbench.cache", *ABOVE), "kvbench.cache": ABOVE}
+# The layers of the core, bottom first (docs/architecture.md, Layers): a module may import its own layer and those
+# below, never one above. The trace schema is the bottom; the cache model and the catalogue of model geometries
+# and accelerators build on it; the metrics' definitions read both; the runner (and the local engines it starts)
+# makes runs; the live client sends requests; the report reads run directories; the command line and the
+# Python API are the top. The modules outside every layer (errors, options, registry, redact, the package
+# itself) import none of them; `kvbench.testing` is imported by no layer at all.
+LAYERS: list[tuple[str, ...]] = [
+    ("kvbench.trace",),
+    ("kvbench.cache", "kvbench.models"),
+    ("kvbench.metrics",),
+    ("kvbench.run", "kvbench.engines"),
+    ("kvbench.live",),
+    ("kvbench.report",),
+    ("kvbench.cli", "kvbench.api"),
+]
+TESTING = "kvbench.testing"
 
 
 def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+def layer_of(module: str) -> int | None:
+    """The rank of the core layer `module` is in (0 = trace), None outside every layer."""
+    for rank, packages in enumerate(LAYERS):
+        if any(_within(module, p) for p in packages):
+            return rank
+    return None
+
+
 def upward_imports(found: list[Import]) -> list[str]:
-    """Imports from a lower layer of the core into a higher one; the command line (kvbench.cli) is the top, so
-    nothing else of the core imports it either."""
+    """Imports from a layer of the core into a higher one, from a module outside every layer into any layer,
+    and of kvbench.testing from anywhere but itself."""
     out = []
     for i in found:
-        for layer, above in NOT_BELOW.items():
-            if _within(i.importer, layer) and any(_within(i.target, a) for a in above):
+        if _backend(i.importer) is not None or not _within(i.target, "kvbench") or _backend(i.target) is not None:
+            continue
+        if _within(i.target, TESTING):
+            if not _within(i.importer, TESTING):
                 out.append(f"{i.importer}:{i.line} imports {i.target}")
-        if not _within(i.importer, "kvbench.cli") and _backend(i.importer) is None and _within(i.target, "kvbench.cli"):
+            continue
+        low, high = layer_of(i.importer), layer_of(i.target)
+        if high is not None and (low is None and i.importer != "kvbench" or low is not None and high > low):
             out.append(f"{i.importer}:{i.line} imports {i.target}")
     return out
+
+
+def backends_import_no_testing(found: list[Import]) -> list[str]:
+    return [f"{i.importer}:{i.line} imports {i.target}" for i in found
+            if _backend(i.importer) is not None and _within(i.target, TESTING)]  # fmt: skip
 
 
 def _same_package(importer: str, private_module: str) -> bool:
@@ -250,6 +279,17 @@ def test_a_backend_imports_no_other_backend(found):
 
 def test_lower_layers_import_no_higher_one(found):
     assert upward_imports(found) == []
+
+
+def test_every_core_package_is_in_a_layer():
+    """A new package of the core must be placed in LAYERS (or be one of the few outside them)."""
+    outside = {"kvbench", "kvbench.backends", "kvbench.errors", "kvbench.options", "kvbench.registry", "kvbench.redact"}
+    placed = {m for m in modules() if _backend(m) is None and (layer_of(m) is not None or _within(m, TESTING))}
+    assert {m for m in modules() if _backend(m) is None} - placed - outside == set()
+
+
+def test_no_backend_imports_the_test_fixtures(found):
+    assert backends_import_no_testing(found) == []
 
 
 def test_no_private_name_is_imported_from_another_module(found):

@@ -93,7 +93,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import kvbench.cli
 from kvbench.run import plugins
-from kvbench.run.demo import demo_backends
+from kvbench.cli.demo_run import demo_backends
 for name in plugins.backend_names():
     plugins.load_backend(name)
 print(demo_backends())

@@ -8,7 +8,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from kvbench.live.fakeserver import FakeServer, fault_plan
+from kvbench.testing.fakeserver import FakeServer, fault_plan
 
 from ...conftest import free_port  # also imported from here by the tests of this folder
 

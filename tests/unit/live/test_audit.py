@@ -8,7 +8,7 @@ import pytest
 
 from kvbench.errors import KvbenchError
 from kvbench.live.audit import audit_isolation
-from kvbench.live.fakeserver import FakeServer
+from kvbench.testing.fakeserver import FakeServer
 
 from .conftest import RunningServer, free_port
 

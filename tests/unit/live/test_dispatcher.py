@@ -15,8 +15,8 @@ import pyarrow as pa
 import pytest
 
 from kvbench.live import dispatch as pacing
-from kvbench.run.pacing import Outcome, Pacing, open_loop_offsets
 from kvbench.live.dispatch import Dispatcher, dispatch
+from kvbench.run.pacing import Outcome, Pacing, open_loop_offsets
 
 from ...conftest import make_trace
 

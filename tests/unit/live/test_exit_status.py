@@ -68,7 +68,7 @@ def test_no_cached_token_accounting_is_na_not_zero(fake_server, tmp_path):
 
 def test_an_interrupted_run_exits_130_and_says_how_to_resume(tmp_path):
     port = free_port()
-    fake = subprocess.Popen([sys.executable, "-m", "kvbench.live.fakeserver", "--port", str(port), "--itl-ms", "2"])
+    fake = subprocess.Popen([sys.executable, "-m", "kvbench.testing.fakeserver", "--port", str(port), "--itl-ms", "2"])
     try:
         out = tmp_path / "run"
         cmd = ["kvbench", "replay", CHAT, "--backend", "openai", "--url", f"http://127.0.0.1:{port}", "--mode",

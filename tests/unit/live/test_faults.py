@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.live.latency import error_class
+from kvbench.metrics.latency import error_class
 from kvbench.run.runner import run_replay
 
 from ...conftest import CHAT

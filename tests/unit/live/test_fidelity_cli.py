@@ -9,7 +9,7 @@ import json
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.live.fakeserver import FakeServer
+from kvbench.testing.fakeserver import FakeServer
 
 from ...conftest import REPO
 from .conftest import RunningServer

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from kvbench.live.client import OpenAIClient
-from kvbench.live.fakeserver import FakeServer, fault_plan
 from kvbench.run.pacing import Outcome
+from kvbench.testing.fakeserver import FakeServer, fault_plan
 
 from .conftest import RunningServer
 from .test_http1 import EVENTS, SSE, assert_ok, chunked, run

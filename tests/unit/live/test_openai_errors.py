@@ -9,7 +9,7 @@ import pytest
 from kvbench.backends.openai import OpenAIBackend
 
 from kvbench.errors import KvbenchError
-from kvbench.live.latency import error_class
+from kvbench.metrics.latency import error_class
 from kvbench.redact import MASK
 from kvbench.run.runner import run_replay
 
@@ -159,7 +159,7 @@ def test_a_refused_metrics_endpoint_is_a_warning_not_a_failure(tmp_path, capsys)
     """/metrics behind other credentials: the run is measured without server counters, and says why."""
     from aiohttp import web
 
-    from kvbench.live.fakeserver import FakeServer
+    from kvbench.testing.fakeserver import FakeServer
 
     from .conftest import RunningServer
 

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.run.pacing import Outcome, Pacing, open_loop_offsets, predecessors
 from kvbench.live.dispatch import dispatch
+from kvbench.run.pacing import Outcome, Pacing, open_loop_offsets, predecessors
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import new_meta, write_trace
 

@@ -61,7 +61,7 @@ def test_words_are_one_per_token():
 
 
 def test_rebase_keeps_prefix_sharing_and_counts():
-    """(tests/unit/test_rebase.py checks the ids against a token-hashing prefix cache)"""
+    """(tests/unit/trace/test_rebase.py checks the ids against a token-hashing prefix cache)"""
     table, meta = read_trace(CHAT)
     for engine_block in (16, 48):  # a block size need not divide the trace's: the ids come from the tokens
         re = rebase_blocks(table, meta.block_size, engine_block)

@@ -24,13 +24,13 @@ SECRETS = ("SECRET1xq", "SECRET2xq", "SECRET3xq", "SECRET4xq")
 
 @pytest.fixture
 def fake_server_process():
-    """Factory: start `python -m kvbench.live.fakeserver` with these arguments -> its port."""
+    """Factory: start `python -m kvbench.testing.fakeserver` with these arguments -> its port."""
     started = []
 
     def start(*args: str) -> int:
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbench.live.fakeserver", "--port", str(port), *args],
+            [sys.executable, "-m", "kvbench.testing.fakeserver", "--port", str(port), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
