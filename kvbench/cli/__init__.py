@@ -71,7 +71,6 @@ class FriendlyGroup(LazyGroup):
             sys.exit(INTERNAL_ERROR_EXIT)
 
 
-# each command `name` is the function `name` of the module kvbench/cli/name.py
 # kvbench's commands, the core's and those a plug-in provides (engine-sim's `calibrate`), are the
 # `kvbench.commands` entry points: pyproject.toml declares them, and an installed plug-in adds its own.
 COMMANDS: Registry[click.Command] = Registry(None, "command", group="kvbench.commands")

@@ -14,6 +14,7 @@ import types
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -158,12 +159,44 @@ def _complete(info, prompt, salt=None, max_tokens=5):
 
 @pytest.mark.engine
 def test_engine_is_up_and_serves_the_tiny_model(vllm):
+    """What `kvbench engine status` says of the engine is what the server and the kernel say: the model it
+    serves with the context it was started with, its address, and the resident memory of its processes."""
     assert base.healthy(vllm.url)
     status, body = get(vllm.url + "/v1/models")
     assert status == 200
-    assert "kvbench-tiny" in [m["id"] for m in json.loads(body)["data"]]
+    served = {m["id"]: m for m in json.loads(body)["data"]}
+    assert served[vllm.model]["max_model_len"] == vllm.settings["max_model_len"]
     row = next(r for r in engines.status() if r["engine"] == "vllm-cpu")
-    assert row["running"] and row["healthy"] and row["rss_bytes"] > 0
+    assert row["running"] and row["healthy"]
+    assert (row["pid"], row["url"], row["model"], row["block_size"]) == (
+        vllm.pid, vllm.url, vllm.model, vllm.settings["block_size"]
+    )
+    # the server and its engine-core child, summed: more than the parent alone, and within 20 % of what the
+    # kernel reports for the process tree a moment later (memory moves a little between the two reads)
+    tree = _tree_rss(vllm.pid)
+    assert _tree_rss(vllm.pid, children=False) < row["rss_bytes"] and abs(row["rss_bytes"] - tree) <= 0.2 * tree
+
+
+def _tree_rss(pid: int, children: bool = True) -> int:
+    """VmRSS of `pid` (and of its descendants), read from /proc: parents from each process's stat."""
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent_of[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {pid}, children
+    while grew:
+        more = {p for p, parent in parent_of.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    total = 0
+    for p in tree:
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 @pytest.mark.engine

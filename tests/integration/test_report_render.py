@@ -123,9 +123,19 @@ def test_page_of_several_runs_renders_and_is_pictured(pages, shots, kind):
 
 
 def assert_is_a_picture(png):
-    data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(data) > 10_000, f"{png}: {len(data)} bytes: a blank page?"
+    """The full-page screenshot is the window's width, taller than one screen, and drawn on: a share of its
+    pixels is ink (text, lines, bars) and it holds the colours of the plots, not only the page's greys."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(png) as img:
+        rgb = np.asarray(img.convert("RGB"))
+    height, width, _ = rgb.shape
+    assert width == WIDTH and height > 600, f"{png}: {width}x{height} px"
+    ink = float((rgb.min(axis=2) < 160).mean())  # darker than a light grey in every channel
+    assert 0.005 < ink < 0.5, f"{png}: {ink:.2%} of the page drawn: blank (or one block of colour)?"
+    spread = rgb.max(axis=2).astype(int) - rgb.min(axis=2)
+    assert (spread > 60).sum() > 1000, f"{png}: hardly a coloured pixel: the plots did not draw"
 
 
 def _missing_points(run):

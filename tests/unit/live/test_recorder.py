@@ -130,21 +130,24 @@ def test_stream_usage_is_recorded_when_the_client_asks_for_it(fake_server, tmp_p
 
 
 def test_streams_pass_through_as_they_come(fake_server, tmp_path):
-    upstream = fake_server(itl_ms=100)  # 5 tokens 100 ms apart: the whole answer takes 0.5 s
+    """The proxy forwards each event as the server sends it: when the client holds the first event, the
+    upstream is still answering (a buffering proxy would pass nothing on before the upstream finished)."""
+    upstream = fake_server(itl_ms=100)  # 5 tokens 100 ms apart: the upstream answers for ~0.5 s
     proxy = RunningRecorder(upstream.url, tmp_path / "s.parquet")
 
-    async def first_and_last() -> tuple[float, float]:
+    async def read() -> tuple[int, int, bytes]:
         body = {"model": "m", "prompt": "a b c", "max_tokens": 5, "stream": True}
-        start = time.perf_counter()
         async with aiohttp.ClientSession() as session, session.post(proxy.url + "/v1/completions", json=body) as r:
-            await r.content.readline()
-            first = time.perf_counter() - start
-            await r.read()
-        return first, time.perf_counter() - start
+            first = await r.content.readline()
+            answering_at_first = upstream.server.running
+            rest = await r.read()
+        return answering_at_first, upstream.server.running, first + rest
 
-    first, last = asyncio.run(first_and_last())
+    answering_at_first, answering_at_end, stream = asyncio.run(read())
     proxy.stop()
-    assert last >= 0.4 and first < 0.2  # the first event arrived long before the stream ended
+    assert answering_at_first == 1 and answering_at_end == 0
+    assert stream.startswith(b"data: {") and stream.rstrip().endswith(b"data: [DONE]")
+    assert stream.count(b'"text"') == 5  # every token's event passed on
 
 
 def test_local_tokenizer_and_labels(fake_server, tmp_path):
