@@ -12,7 +12,7 @@ import click
 import pyarrow as pa
 
 from kvbench import __version__
-from kvbench.errors import KvbenchDeprecationWarning, KvbenchError, KvbenchWarning
+from kvbench.errors import KvbenchError, KvbenchWarning
 
 # Library errors that are the user's input, not kvbench's bug: a file (or folder) named on the command line
 # that cannot be opened, read or written, and data that Arrow refuses on reading a user's file. kvbench's own
@@ -125,7 +125,7 @@ def _one_line_warnings(show):
         return show
 
     def one_line(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, (KvbenchDeprecationWarning, KvbenchWarning)):
+        if issubclass(category, KvbenchWarning):
             click.echo(f"kvbench: warning: {message}", err=True)
         else:
             show(message, category, filename, lineno, file, line)
