@@ -1,8 +1,7 @@
 """The Python API (`import kvbench`): the CLI's commands as functions, each a thin layer over the modules that
 do the work, so a run made here is the run `kvbench replay` makes. Backend options are the backend's replay
 options by Python name (`--share-lora-kv` is `share_lora_kv=`), converted and defaulted by the same click
-parameters; an old spelling (`dram=`, now `dram_capacity=`) still works, with a DeprecationWarning. Errors are
-KvbenchErrors with the CLI's messages. Heavy modules are imported on first call."""
+parameters. Errors are KvbenchErrors with the CLI's messages. Heavy modules are imported on first call."""
 
 from __future__ import annotations
 
@@ -68,10 +67,8 @@ class Run:
     @property
     def hit_rate(self) -> dict[str, float]:
         """Token hit rate over all requests, by point name (e.g. {'lru/1000blocks': 0.41, 'belady/1000blocks':
-        0.52}); an old spelling ('lru/1000') still answers, with a warning, until the next release."""
-        from kvbench.run.pointnames import PointsByName
-
-        return PointsByName((p["name"], p["hit_rate"]["token"]["all"]) for p in self.summary["points"])
+        0.52})."""
+        return {p["name"]: p["hit_rate"]["token"]["all"] for p in self.summary["points"]}
 
     def report(self, trace=None) -> Path:
         """(Re)write report.md and report.html, as `kvbench report` does; returns the report.html path."""
@@ -246,7 +243,7 @@ def _grid(axes: dict):
     options = {}
     for backend in backends:  # a point gets the options its backend declares (sweep.run_point filters them)
         mine = {k: v for k, v in axes.items() if k in _names(backend)}
-        options.update(_backend_options(backend, mine, stacklevel=4, given_only=True))
+        options.update(_backend_options(backend, mine, given_only=True))
     traces = [str(_trace_path(t)) for t in _flat([get.pop("trace", [])])]
     lists = {field: split_values(get.pop(axis, None)) for axis, field in OPTION_AXES.items()}
     engine_args = [str(a) for a in _flat([get.pop("engine_args", [])])]
@@ -299,18 +296,15 @@ def _names(backend: str) -> set[str]:
     return {p.name for p in load_backend(backend).cli_options()}
 
 
-def _backend_options(backend: str, options: dict, stacklevel: int = 3, given_only: bool = False) -> dict:
+def _backend_options(backend: str, options: dict, given_only: bool = False) -> dict:
     """Every option of the backend as `kvbench replay` passes them to the runner: the given ones converted by
     the backend's own click parameters (a list is joined with commas: capacity=[1000, 10000]), the others at
-    their defaults (`given_only`: the given ones alone). An old keyword (dram=, now dram_capacity=) is given
-    under its new name, with a DeprecationWarning `stacklevel` frames up (3: the caller of replay())."""
+    their defaults (`given_only`: the given ones alone)."""
     import click
 
-    from kvbench.options import renamed, renamings_of
     from kvbench.run.plugins import load_backend
 
     params = load_backend(backend).cli_options()
-    options = renamed(renamings_of(params), options, stacklevel)
     multiple = {p.name for p in params if p.multiple}
     given = {
         k: ",".join(map(str, v)) if isinstance(v, list | tuple) and k not in multiple else v for k, v in options.items()

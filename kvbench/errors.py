@@ -24,8 +24,3 @@ class ValidationFailed(KvbenchError):
 class KvbenchWarning(UserWarning):
     """Something the user asked for and did not get in full (a part of a run skipped, and why); the CLI prints
     it as one line."""
-
-
-class KvbenchDeprecationWarning(FutureWarning):
-    """Something spelt or recorded the way an older kvbench did: still read, for one more release. A
-    FutureWarning, so Python shows it to users by default; the CLI prints it as one line."""

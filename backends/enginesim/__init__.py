@@ -93,8 +93,8 @@ class EngineSimConfig:
         "swapped, never recomputed)",
         unit="name (N: tokens)",
     )
-    dram_capacity: str = _size("0", "host DRAM tier per instance (e.g. 64GiB; 0 = none)", old=["--dram"])
-    ssd_capacity: str = _size("0", "local SSD tier per instance (e.g. 1TB; 0 = none)", old=["--ssd"])
+    dram_capacity: str = _size("0", "host DRAM tier per instance (e.g. 64GiB; 0 = none)")
+    ssd_capacity: str = _size("0", "local SSD tier per instance (e.g. 1TB; 0 = none)")
     global_pool: str = _size(
         "0",
         "global KV store shared by all instances, Mooncake Store / LMCache style (30M tok, 500GB; 0 = none). Every "
@@ -106,7 +106,6 @@ class EngineSimConfig:
         "share of the KV at this rate): what a block loaded from the store costs",
         unit="GB/s, 1e9 bytes/s",
         type=click.FloatRange(min=0, min_open=True),
-        old=["--pool-bandwidth"],
     )
     pool_put: str = option(
         "prefill",

@@ -26,15 +26,6 @@ from kvbench.models import Hardware
 ACT_BYTES = 2  # activations travel as bf16 whatever the weight and KV formats: the all-reduce payload per value
 
 
-# Keys of calibration files written before the step model had its own terms, and what each one becomes: a prefill
-# rate is a cost per token, the decode line's intercept the fixed cost of a step, its slope the cost per KV token.
-LEGACY_KEYS = {
-    "prefill_tokens_per_s": ("s_per_token", lambda rate: 1.0 / rate),
-    "decode_step_base_s": ("step_overhead_s", float),
-    "decode_s_per_kv_token": ("s_per_kv_token", float),
-}
-
-
 @dataclass(frozen=True)
 class Calibration:
     """A step-time model measured on a real engine (`kvbench calibrate`); with one, a step costs the *sum* of its
@@ -78,21 +69,15 @@ class Calibration:
 
     @classmethod
     def from_mapping(cls, data: dict, source: str) -> Calibration:
-        """A calibration from a parsed file's table (older files' keys are translated); `source` names the file."""
+        """A calibration from a parsed file's table; `source` names the file."""
         known = [f.name for f in fields(cls)]
         values = {}
         for key, value in data.items():
-            if key not in known and key not in LEGACY_KEYS:
+            if key not in known:
                 raise KvbenchError(f"{source}: unknown calibration key {key!r}; known keys: {', '.join(known)}")
-            if isinstance(value, bool) or not isinstance(value, int | float) or (key in LEGACY_KEYS and value < 0):
+            if isinstance(value, bool) or not isinstance(value, int | float):
                 raise KvbenchError(f"{source}: calibration {key} must be a number ≥ 0, got {value!r}")
-            if key in LEGACY_KEYS:
-                name, convert = LEGACY_KEYS[key]
-                if value == 0 and key == "prefill_tokens_per_s":
-                    raise KvbenchError(f"{source}: calibration prefill_tokens_per_s must be > 0")
-                values[name] = convert(value)
-            else:
-                values[key] = float(value)
+            values[key] = float(value)
         try:
             return cls(**values)
         except KvbenchError as e:

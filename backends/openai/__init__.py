@@ -53,7 +53,6 @@ class OpenAIConfig:
         "the served model's name to request [default: the first of GET /v1/models]; a request with a LoRA adapter "
         "asks for the adapter instead",
         unit="name",
-        old=["--model"],  # --model is a model geometry preset in every other backend
     )
     endpoint: str = option(
         "completions",

@@ -51,10 +51,8 @@ class TorchConfig:
         key="policies",
     )
     capacity: str | None = _size(None, "HBM pool size(s), comma-separated: 10000, 5M tok or 2GiB; a list makes a sweep")
-    dram_capacity: str = _size("0", "host DRAM tier below HBM (pinned host memory); 0 = none", old=["--host-capacity"])
-    ssd_capacity: str = _size(
-        "0", "local SSD tier below DRAM (a file in --disk-dir); 0 = none", old=["--disk-capacity"]
-    )
+    dram_capacity: str = _size("0", "host DRAM tier below HBM (pinned host memory); 0 = none")
+    ssd_capacity: str = _size("0", "local SSD tier below DRAM (a file in --disk-dir); 0 = none")
     disk_dir: str = option(
         tempfile.gettempdir(), "directory of the SSD tier's file (put it on the SSD to measure)", unit="path"
     )

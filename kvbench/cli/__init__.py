@@ -11,7 +11,7 @@ import click
 import pyarrow as pa
 
 from kvbench import __version__
-from kvbench.errors import KvbenchDeprecationWarning, KvbenchError, KvbenchWarning
+from kvbench.errors import KvbenchError, KvbenchWarning
 from kvbench.registry import Registry
 
 # Library errors that are the user's input, not kvbench's bug: a file (or folder) named on the command line
@@ -121,7 +121,7 @@ def _one_line_warnings(show):
         return show
 
     def one_line(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, (KvbenchDeprecationWarning, KvbenchWarning)):
+        if issubclass(category, KvbenchWarning):
             click.echo(f"kvbench: warning: {message}", err=True)
         else:
             show(message, category, filename, lineno, file, line)

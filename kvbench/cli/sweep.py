@@ -16,7 +16,6 @@ from kvbench.cli.compare import LazyBar
 from kvbench.cli.render import console
 from kvbench.cli.replay import DEFAULT_BACKEND, TRACE_CACHE_HELP
 from kvbench.errors import KvbenchError
-from kvbench.options import DeprecatedAlias
 from kvbench.report.sweep import write_index
 from kvbench.run.executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
 from kvbench.run.plugins import backend_names, load_backend
@@ -62,11 +61,6 @@ class SweepCommand(click.Command):
                     opt._from_backend = True
                     self.params.append(opt)
                     names.add(opt.name)
-                elif not isinstance(opt, DeprecatedAlias):  # a name one backend declares, another's old spelling
-                    at = next(i for i, p in enumerate(self.params) if p.name == opt.name)
-                    if isinstance(self.params[at], DeprecatedAlias):
-                        opt._from_backend = True
-                        self.params[at] = opt
         return super().parse_args(ctx, args)
 
 
@@ -82,34 +76,15 @@ def _toml_options(ctx: click.Context, raw: dict) -> dict:
         if param is None:
             known = ", ".join(sorted({p.name for p in by_name.values()} - set(OPTION_AXES)))
             raise KvbenchError(f"grid file [options]: unknown option {key!r} for these backends; known: {known}")
-        if isinstance(param, DeprecatedAlias):  # an old spelling: the value goes to the new name
-            click.echo(f"kvbench: warning: grid file [options] {key} is deprecated, use {param.replaced_by}", err=True)
-        out[getattr(param, "replaced_by", param.name)] = param.type_cast_value(ctx, value)
-    return out
-
-
-def _new_names(ctx: click.Context, options: dict) -> dict:
-    """Options given by an old spelling (its callback warned) under the new name, so that every backend
-    declaring the new one gets them (engine-sim's --dram and torch's --host-capacity are both --dram-capacity)."""
-    out = dict(options)
-    for p in ctx.command.params:
-        if isinstance(p, DeprecatedAlias) and out.get(p.name) is not None:
-            value = out.pop(p.name)
-            if (
-                ctx.get_parameter_source(p.replaced_by) == ParameterSource.COMMANDLINE
-                and out.get(p.replaced_by) != value
-            ):
-                raise KvbenchError(f"give {p.new_flag} or its old spelling {p.opts[0]}, not both")
-            out[p.replaced_by] = value
+        out[param.name] = param.type_cast_value(ctx, value)
     return out
 
 
 def _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, backend_options) -> tuple[Grid, dict]:
     toml = read_toml(grid_file) if grid_file else {}
-    old = {p.replaced_by for p in ctx.command.params if isinstance(p, DeprecatedAlias) and ctx.params.get(p.name)}
 
-    def given(name: str) -> bool:  # on the command line, or by its old spelling
-        return name in old or ctx.get_parameter_source(name) in (
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (
             ParameterSource.COMMANDLINE,
             ParameterSource.ENVIRONMENT,
         )
@@ -118,7 +93,6 @@ def _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, b
     if "warmup" in file_opts:  # the runner's option, not a backend's
         toml.setdefault("warmup", file_opts.pop("warmup"))
     file_opts = _toml_options(ctx, file_opts)
-    backend_options = _new_names(ctx, backend_options)
     axes = {}
     for axis in OPTION_AXES:
         flag = backend_options.pop(axis, None)
@@ -126,7 +100,7 @@ def _build_grid(ctx, grid_file, traces, backends, engine_args, engine, warmup, b
             split_values(flag) if given(axis) and flag else split_values(toml.get(axis, file_opts.pop(axis, [])))
         )
     # Only what the user gave (flag or grid file): a default is the declaring backend's, and passing one
-    # backend's default to another (sim's --model to openai's old --model) would change that backend's setting.
+    # backend's default to another (engine-sim's --dram-capacity to torch's) would change that backend's setting.
     options = {}
     for name, value in backend_options.items():
         value = value if given(name) else file_opts.get(name)

@@ -24,7 +24,6 @@ import pyarrow.parquet as pq
 
 from kvbench.errors import KvbenchError
 from kvbench.run.fidelity import fidelity as error_table
-from kvbench.run.pointnames import migrate_summary
 from kvbench.run.results import read_requests, requests_schema, result_files
 from kvbench.run.settingcheck import warnings as setting_warnings
 
@@ -68,7 +67,6 @@ def load_run(path: Path) -> dict:
         run = json.loads(summary.read_text())
     except json.JSONDecodeError as exc:
         raise KvbenchError(f"{summary}: not valid JSON ({exc}); was the run killed while writing it?") from None
-    migrate_summary(run, str(path))
     run["_dir"] = Path(path)
     run["_label"] = run.get("run_id") or Path(path).name
     return run

@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 
 from kvbench.errors import KvbenchError
 from kvbench.run.backend import PointResult
-from kvbench.run.pointnames import rename_column, run_renames
 from kvbench.run.resultparts import PartWriter, list_parts, merge_parts, remove_parts, write_durably
 from kvbench.trace.compute import pc, to_text
 
@@ -198,7 +197,7 @@ def read_requests(run_dir: Path, columns: list[str] | None = None, max_rows: int
     """A run's result rows (`columns` of them; the first `max_rows`), from requests.parquet or, after a
     kill, from it and the parts the run left, each request once (its latest row). Raises ResultsUnreadable,
     naming the file, when there are none or one is not Parquet."""
-    return rename_column(_read(run_dir, columns, max_rows), run_renames(run_dir), str(run_dir))
+    return _read(run_dir, columns, max_rows)
 
 
 def _read(run_dir: Path, columns: list[str] | None, max_rows: int | None) -> pa.Table:

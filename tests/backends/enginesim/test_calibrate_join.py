@@ -1,7 +1,7 @@
 """The join window (backends/enginesim/calibrate/joining.py, Calibration.join_window_s): its estimate from pairs
 of known first-token gaps, the fit and the file that carry it, and engine-sim's rule: an idle instance's first
-step takes what reaches it within the window, and a lone request's TTFT is the same with or without one. Synthetic gaps and
-terms; no timing of this machine is asserted."""
+step takes what reaches it within the window, and a lone request's TTFT is the same with or without one.
+Synthetic gaps and terms; no timing of this machine is asserted."""
 
 from __future__ import annotations
 

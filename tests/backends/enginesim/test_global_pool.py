@@ -1,6 +1,6 @@
 """engine-sim's global KV store (--global-pool) on traces small enough to check by hand: what one instance
 prefills another finds in the store (put on prefill), or only after it left the first one (put on evict); the
-store's own capacity and LRU / FIFO order; loads costed at --pool-bandwidth.
+store's own capacity and LRU / FIFO order; loads costed at --pool-bandwidth-gbps.
 
 Block size 16 tokens, Llama-3-8B in bf16: 131,072 KV bytes a token, 2 MiB a block. Requests arrive 1 s apart,
 each one done long before the next, and round-robin sends request i to instance i mod N."""

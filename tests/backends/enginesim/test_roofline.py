@@ -121,17 +121,6 @@ def test_a_calibration_replaces_the_roofline_with_a_sum_of_its_terms():
         Calibration.from_mapping({"s_per_pair": -1e-9}, "calib.toml")
 
 
-def test_a_legacy_calibration_file_loads_into_the_new_terms():
-    # files written before the sum form: a prefill rate, a decode line (intercept, slope per KV token)
-    old = {"prefill_tokens_per_s": 4000, "decode_step_base_s": 0.008, "decode_s_per_kv_token": 2e-7}
-    cal = Calibration.from_mapping(old, "old.toml")
-    assert cal == Calibration(step_overhead_s=0.008, s_per_token=1 / 4000, s_per_kv_token=2e-7)
-    lm = LatencyModel(MODELS["kvbench-tiny"], HARDWARE["cpu"], calibration=cal)
-    assert lm.decode_step_s(2, 3000) == pytest.approx(0.008 + 2 / 4000 + 3000 * 2e-7, rel=1e-12)
-    with pytest.raises(KvbenchError, match="old.toml: calibration prefill_tokens_per_s must be > 0"):
-        Calibration.from_mapping({"prefill_tokens_per_s": 0}, "old.toml")
-
-
 def _tiny_llama_config() -> tuple[dict, int]:
     """The LlamaConfig keywords kvbench/engines/_tiny_llama.py writes the model with, and its default vocab,
     read from its source (running it needs transformers and torch, which the vLLM engine's venv has)."""
