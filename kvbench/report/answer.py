@@ -13,6 +13,7 @@ report, the terminal and a notebook reading summary.json agree.
 from __future__ import annotations
 
 from kvbench.report.page import Section, Table, pct
+from kvbench.report.sections import section_at
 from kvbench.report.style import count, duration, plain, size
 
 BOUND = "belady"
@@ -206,6 +207,7 @@ def timed_items(summary: dict) -> list:
     return [*items, Table(header, rows)]
 
 
+@section_at(10, "summary")
 def answer_section(summary: dict) -> Section:
     """The report's first section (empty, and so left out, when the run has no finished point)."""
     if not summary.get("points"):

@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 
 from kvbench.metrics.latency import error_class
 from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.sections import section_at
 from kvbench.report.style import FULL_WIDTH, duration, plain, time_axis
 
 MESSAGE_CHARS = 200  # a first message longer than this is cut (the whole text is in requests.parquet)
@@ -113,6 +114,7 @@ def _timeline(series: list[tuple[str, np.ndarray, list[tuple[float, str, str]]]]
     return svg(fig)
 
 
+@section_at(100, "summary", "requests", per_point=True)
 def failure_section(summary: dict, requests: pa.Table | None) -> Section:
     """Requests by outcome for every serving point, failures by class with the first message of each, and a
     timeline of failures beside answered requests. A run where every request was answered says so in a line."""

@@ -9,6 +9,7 @@ import pyarrow.compute as pc
 
 from kvbench.report.answer import bytes_per_block
 from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.sections import section_at
 from kvbench.report.style import FULL_WIDTH, INFINITE_STYLE, count, line_style, log_ticks, plain, size
 from kvbench.report.tenants import MAX_GROUPS, breakdown_sections, fairness_section
 
@@ -17,6 +18,7 @@ __all__ = ["MAX_GROUPS", "breakdown_sections", "curve_section", "fairness_sectio
 TIERS = ("hbm", "dram", "ssd", "global")
 
 
+@section_at(40, "summary")
 def points_section(summary: dict) -> Section:
     def rates(p: dict) -> list[str]:
         if p.get("cached_tokens_reported") is False:  # a 0 % hit rate would be a guess, not a measurement
@@ -57,6 +59,7 @@ def points_section(summary: dict) -> Section:
     return Section("Hit rate per point", [Table(header, rows), note] if rows else [note])
 
 
+@section_at(50, "requests")
 def tier_section(requests: pa.Table | None) -> Section:
     """Share of input tokens served from each tier, per point (only backends with tiers fill these columns)."""
     lower = TIERS[1:]  # a single-tier backend fills only hbm: the table would say nothing the others don't
@@ -74,6 +77,7 @@ def tier_section(requests: pa.Table | None) -> Section:
     return Section("Hit rate by tier", [Table(["point", "HBM", "DRAM", "SSD", "global pool", "all tiers"], rows)])
 
 
+@section_at(60, "summary")
 def curve_section(summary: dict) -> Section:
     """Hit rate vs capacity: the one-pass curves, the swept points per policy (in the curve's colour), Belady
     (optimal with bypass) as the bound a real policy can approach, and the infinite cache as the bound nothing

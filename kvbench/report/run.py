@@ -7,17 +7,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from kvbench.report.answer import answer_section
-from kvbench.report.failures import failure_section
-from kvbench.report.hits import breakdown_sections, curve_section, fairness_section, points_section, tier_section
 from kvbench.report.page import Section, Table, render_html, render_markdown
-from kvbench.report.saturation import saturation_section
-from kvbench.report.serving import engine_section, server_section
+from kvbench.report.sections import Inputs, run_sections, section_at
 from kvbench.report.style import plain
-from kvbench.report.tasks import task_section
-from kvbench.report.timing import latency_sections, timeline_section
-from kvbench.report.transfers import transfer_section
-from kvbench.report.workload import agent_section, characterisation_section
 from kvbench.run.results import RESULT_SCHEMA, read_requests, result_files
 
 MAX_REPORT_ROWS = 2_000_000  # per-request plots read at most this many rows: a report of a huge run stays quick
@@ -42,6 +34,7 @@ def _no_path(value) -> str:
     return Path(text).name if text.startswith(("/", "~")) else text
 
 
+@section_at(20, "summary", "truncated")
 def run_section(summary: dict, truncated: bool) -> Section:
     trace = summary["trace"]
     rows = [
@@ -76,6 +69,7 @@ def _setting(value) -> str:
     return _no_path(value)
 
 
+@section_at(30, "summary")
 def config_section(summary: dict) -> Section:
     """The backend's settings as the run used them (summary.json's `config`), with the unit each option states;
     unset ones left out. Pacing, a nested record, is spread over its own rows."""
@@ -94,26 +88,11 @@ def config_section(summary: dict) -> Section:
 def sections(
     summary: dict, requests: pa.Table | None, trace: pa.Table | None, truncated: bool = False
 ) -> list[Section]:
-    point = summary["points"][0] if summary["points"] else None
-    name = point["name"] if point else None
+    point = summary["points"][0]["name"] if summary["points"] else None
     if trace is not None and trace.num_rows > MAX_REPORT_ROWS:
         trace = trace.slice(0, MAX_REPORT_ROWS)
-    out = [answer_section(summary), run_section(summary, truncated), config_section(summary)]
-    out += [points_section(summary), tier_section(requests), curve_section(summary)]
-    out += breakdown_sections(summary)
-    out.append(fairness_section(summary))
-    if point is not None:  # the serving sections cover every point; the trace views, the first point's
-        out.append(saturation_section(summary))
-        out.append(failure_section(summary, requests))
-        out += latency_sections(summary, requests)
-        out.append(server_section(summary))
-        out.append(engine_section(summary))
-        out.append(task_section(summary))
-        out.append(transfer_section(summary))
-        out.append(timeline_section(summary, requests, trace))
-        out.append(agent_section(requests, trace, name))
-        out.append(characterisation_section(requests, trace, name))
-    return out
+    # the serving sections cover every point; the trace views, the first point's
+    return run_sections(Inputs(summary, requests, trace, truncated, point))
 
 
 def write_reports(run_dir: Path, summary: dict, trace: pa.Table | None = None) -> None:

@@ -6,11 +6,13 @@ docs/semantics.md, Saturation). Everything comes from summary.json: the verdict 
 from __future__ import annotations
 
 from kvbench.report.page import Figure, Section, Table, svg
+from kvbench.report.sections import section_at
 from kvbench.report.style import FULL_WIDTH, count, duration, plain, time_axis
 
 PLOT_HEIGHT = 2.6  # inches: a trend to glance at beside the table, not a figure to study
 
 
+@section_at(90, "summary", per_point=True)
 def saturation_section(summary: dict) -> Section:
     """Section "Saturation": one table row per timed point and one delay plot per saturated point; empty (no
     items) when no point has timing (an offline cache simulation)."""

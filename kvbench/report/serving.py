@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from kvbench.report.page import Section, Table, pct
+from kvbench.report.sections import section_at
 from kvbench.report.style import duration, plain, size
 
 # engine-sim's top-level facts, in the order a reader wants them: what was modeled, then what it cost. Keys
@@ -116,6 +117,7 @@ def facts_table(per_point: dict[str, dict]) -> Table:
     return Table(["fact", *per_point], rows)
 
 
+@section_at(130, "summary", per_point=True)
 def engine_section(summary: dict) -> Section:
     """A modeling backend's facts (engine-sim: preemptions, tier traffic, KV lifetimes) and each scenario's,
     for every point."""
@@ -150,6 +152,7 @@ def engine_section(summary: dict) -> Section:
     return Section("Engine model", items)
 
 
+@section_at(120, "summary", per_point=True)
 def server_section(summary: dict) -> Section:
     """The engine's /metrics counter deltas over the run beside the sums of what each response reported, for
     every live point that could read them. Both columns are counts: one number format for both."""

@@ -6,6 +6,7 @@ first token. Used by a run's report (its points) and by `kvbench compare` (every
 from __future__ import annotations
 
 from kvbench.report.page import Section, Table, pct
+from kvbench.report.sections import section_at
 from kvbench.report.style import duration, size
 
 TITLE = "Task scheduling (agent task graphs)"
@@ -83,6 +84,7 @@ def task_table(entries: list[tuple[str, dict, float | None]]) -> Section:
     return Section(TITLE, items)
 
 
+@section_at(140, "summary", per_point=True)
 def task_section(summary: dict) -> Section:
     """A run's points that modeled agent tasks (engine-sim with --closed-loop)."""
     points = summary.get("points", [])

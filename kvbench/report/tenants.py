@@ -8,6 +8,7 @@ import numpy as np
 
 from kvbench.report.fairness_views import views_items
 from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.sections import section_at
 from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, colour, plain
 from kvbench.trace.hitsums import NO_LABEL
 
@@ -86,6 +87,7 @@ def _cut_note(total: int, shown: int, what: str, key: str, column: str | None) -
     )
 
 
+@section_at(70, "summary")
 def breakdown_sections(summary: dict) -> list[Section]:
     points = summary["points"]
     out = []
@@ -201,6 +203,7 @@ def _ratio_cell(p: dict) -> tuple[str, str]:
     return (f"undefined ({zero} at 0%)" if zero else "undefined"), among
 
 
+@section_at(80, "summary")
 def fairness_section(summary: dict) -> Section:
     points = [p for p in summary["points"] if (p.get("fairness") or {}).get("tenants", 0) >= 2]
     if not points:

@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 
 from kvbench.metrics.latency import PERCENTILES
 from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.sections import section_at
 from kvbench.report.style import FULL_WIDTH, PALETTE, SMALL_MULTIPLE, colour, duration, log_ticks, plain, time_axis
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("ttfo", "TTFO"))
@@ -153,6 +154,7 @@ def _tenant_items(points: list[dict]) -> list:
     return items
 
 
+@section_at(110, "summary", "requests", per_point=True)
 def latency_sections(summary: dict, requests: pa.Table | None) -> list[Section]:
     points = [p for p in summary.get("points", []) if p.get("latency")]
     if not points:
@@ -316,6 +318,7 @@ MAX_TIMELINE_POINTS = 12  # hit-rate lines of an offline timeline; more tangle (
 _CAPACITY_DASHES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)))  # one per capacity; colour: the policy
 
 
+@section_at(160, "summary", "requests", "trace", per_point=True)
 def timeline_section(summary: dict, requests: pa.Table | None, trace: pa.Table | None) -> Section:
     """Request rate, latency and KV occupancy against time. Live and modeled runs: send times, TTFT and the
     engine's KV usage (polled during a live run, modeled by engine-sim), for every point. Offline runs: trace

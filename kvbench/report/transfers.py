@@ -4,6 +4,7 @@ and how that rate compares with a plain contiguous copy in the same process and 
 from __future__ import annotations
 
 from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.sections import section_at
 from kvbench.report.style import FULL_WIDTH, SMALL_MULTIPLE, duration, plain, size
 
 TITLE = "KV transfers"
@@ -15,6 +16,7 @@ def _rate(x) -> str:
     return "–" if x is None else plain(x, 3)
 
 
+@section_at(150, "summary", per_point=True)
 def transfer_section(summary: dict) -> Section:
     points = [p for p in summary["points"] if p.get("torch")]
     if not points:

@@ -8,12 +8,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.report.page import Figure, Section, Table, pct, svg
+from kvbench.report.sections import section_at
 from kvbench.report.style import FULL_WIDTH, count, duration, plain, time_axis
 
 MAX_REUSE_REFS = 20_000_000  # block references examined for reuse intervals: bounded memory on huge traces
 MAX_TASKS_SHOWN = 20
 
 
+@section_at(180, "requests", "trace", "point", per_point=True)
 def characterisation_section(requests: pa.Table | None, trace: pa.Table | None, point: str) -> Section:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
@@ -119,6 +121,7 @@ def _reuse(trace: pa.Table) -> tuple[np.ndarray, np.ndarray, int] | None:
     return arrival[owner[later]] - arrival[owner[earlier]], (owner[later] - owner[earlier]).astype(np.float64), refs
 
 
+@section_at(170, "requests", "trace", "point", per_point=True)
 def agent_section(requests: pa.Table | None, trace: pa.Table | None, point: str) -> Section:
     """Agent workloads: each session is one task (a tree of calls that branch and merge)."""
     import matplotlib.pyplot as plt
