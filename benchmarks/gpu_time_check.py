@@ -34,8 +34,7 @@ import numpy as np
 from kvbench.backends.enginesim.operators import OperatorModel
 from kvbench.backends.enginesim.roofline import LatencyModel
 
-from kvbench.cache.capacity import MODELS, ModelGeometry
-from kvbench.models import HARDWARE
+from kvbench.models import HARDWARE, MODELS, ModelGeometry
 
 TOKENS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 LLAMA2 = {  # Llama-2 geometries as Vidur measured them: (hidden, heads, kv heads, intermediate, vocab)

@@ -32,8 +32,7 @@ import polars as pl
 from kvbench.backends.enginesim.operators import OperatorModel
 from scipy.optimize import least_squares
 
-from kvbench.cache.capacity import ModelGeometry
-from kvbench.models import HARDWARE
+from kvbench.models import HARDWARE, ModelGeometry
 
 # Vidur's kernel names → operators.py's
 KERNELS = {

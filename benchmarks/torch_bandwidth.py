@@ -60,8 +60,7 @@ from kvbench.backends.torchkv.geometry import DTYPES, LAYOUTS, KvGeometry
 from kvbench.backends.torchkv.pools import DiskPool, TensorPool
 from kvbench.backends.torchkv.transfers import COPY_MODES, Mover
 
-from kvbench.cache.capacity import MODELS
-from kvbench.models import HARDWARE
+from kvbench.models import HARDWARE, MODELS
 
 RESULTS = Path(__file__).parent / "results"
 DIRECTIONS = ("hbm->dram", "dram->hbm", "dram->ssd", "ssd->dram")

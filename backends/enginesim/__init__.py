@@ -22,7 +22,7 @@ from kvbench.backends.enginesim.pool import QuickPool
 
 from kvbench import options
 from kvbench.cache import policies as _policies
-from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, parse_capacity
+from kvbench.cache.capacity import parse_capacity
 from kvbench.cache.policies.vllm import VllmPool
 from kvbench.cache.policy_options import check_quota_tenants, parse_policy_options, policy_option_params
 from kvbench.cache.prepared import prepare
@@ -30,6 +30,7 @@ from kvbench.cache.tiers import STORE_POLICIES, STORE_PUTS, GlobalStore, Tier, T
 from kvbench.errors import KvbenchError
 from kvbench.metrics.latency import modeled_latency_summary
 from kvbench.metrics.slo import parse_slo
+from kvbench.models import KV_DTYPE_BYTES, MODELS
 from kvbench.options import option
 from kvbench.run.backend import PointResult
 from kvbench.trace.files import TraceMeta

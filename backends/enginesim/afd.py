@@ -23,9 +23,8 @@ from kvbench.backends.enginesim.parallel_model import all_reduce_s
 from kvbench.backends.enginesim.roofline import ACT_BYTES
 from kvbench.backends.enginesim.scenarios.disagg import HOP_S, pipeline_s
 
-from kvbench.cache.capacity import KV_DTYPE_BYTES
 from kvbench.errors import KvbenchError
-from kvbench.models import weight_split
+from kvbench.models import KV_DTYPE_BYTES, weight_split
 
 
 @dataclass(frozen=True)

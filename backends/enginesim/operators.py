@@ -20,7 +20,7 @@ A layer of a dense grouped-query model runs, for M tokens on each of `tp` device
 
 Once per step the logits GEMM runs over the sampled rows (one per sequence, as vLLM computes logits only at each
 sequence's last position). The coefficients are fitted on measured H100 operator times by
-benchmarks/gpu_truth.py; kvbench/models.py names the source.
+benchmarks/gpu_truth.py; kvbench/models/hardware.py names the source.
 
 Units: seconds, tokens, bytes.
 """
@@ -31,8 +31,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from kvbench.cache.capacity import ModelGeometry
-from kvbench.models import GEMM_TILES, Hardware
+from kvbench.models import GEMM_TILES, Hardware, ModelGeometry
 
 ACT_BYTES = 2  # bf16 activations and weights: the only formats the measured kernels ran in
 ELTWISE_KINDS = ("norm", "rope", "act", "add")

@@ -14,9 +14,8 @@ import click
 from kvbench.backends.enginesim.parallel_model import ParallelLatencyModel
 from kvbench.backends.enginesim.roofline import LatencyModel
 
-from kvbench.cache.capacity import KV_DTYPE_BYTES
 from kvbench.errors import KvbenchError
-from kvbench.models import DEPLOYMENTS, weight_split
+from kvbench.models import DEPLOYMENTS, KV_DTYPE_BYTES, weight_split
 from kvbench.options import with_units
 
 DEGREES = ("tp", "pp", "ep", "dp_attention")

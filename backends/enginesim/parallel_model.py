@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 from kvbench.backends.enginesim.roofline import ACT_BYTES, LatencyModel, StepCost
 
-from kvbench.cache.capacity import KV_DTYPE_BYTES
-from kvbench.models import weight_split
+from kvbench.models import KV_DTYPE_BYTES, weight_split
 
 
 def all_reduce_s(group: int, payload: float, bandwidth: float, hop_s: float) -> float:

@@ -19,9 +19,8 @@ from typing import NamedTuple
 
 from kvbench.backends.enginesim import operators
 
-from kvbench.cache.capacity import KV_DTYPE_BYTES, ModelGeometry
 from kvbench.errors import KvbenchError
-from kvbench.models import Hardware
+from kvbench.models import KV_DTYPE_BYTES, Hardware, ModelGeometry
 
 ACT_BYTES = 2  # activations travel as bf16 whatever the weight and KV formats: the all-reduce payload per value
 

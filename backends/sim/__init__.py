@@ -12,11 +12,12 @@ import pyarrow as pa
 
 from kvbench import options
 from kvbench.cache import policies as _policies
-from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS, check_capacities, parse_capacities
+from kvbench.cache.capacity import check_capacities, parse_capacities
 from kvbench.cache.policies import SimOutput
 from kvbench.cache.policy_options import check_quota_tenants, parse_policy_options, policy_option_params
 from kvbench.cache.prepared import PreparedTrace, prepare
 from kvbench.errors import KvbenchError
+from kvbench.models import KV_DTYPE_BYTES, MODELS
 from kvbench.options import option
 from kvbench.run.backend import PointResult, Progress, Skipped, StreamedPoint
 from kvbench.trace.files import TraceMeta

@@ -15,11 +15,11 @@ import pyarrow as pa
 
 from kvbench import options
 from kvbench.cache import policies as _policies
-from kvbench.cache.capacity import MODELS, check_capacities, parse_capacities, parse_capacity
+from kvbench.cache.capacity import check_capacities, parse_capacities, parse_capacity
 from kvbench.cache.policy_options import parse_policy_options, policy_option_params
 from kvbench.cache.prepared import prepare
 from kvbench.errors import KvbenchError
-from kvbench.models import HARDWARE
+from kvbench.models import HARDWARE, MODELS
 from kvbench.options import option
 from kvbench.run.backend import PointResult, Progress
 from kvbench.run.pointnames import point_name

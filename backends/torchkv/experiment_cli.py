@@ -13,8 +13,9 @@ from pathlib import Path
 
 import click
 
-from kvbench.cache.capacity import MODELS, parse_size
+from kvbench.cache.capacity import parse_size
 from kvbench.errors import KvbenchError
+from kvbench.models import MODELS
 from kvbench.options import tagged
 from kvbench.run.rundir import RunDir, stamp
 

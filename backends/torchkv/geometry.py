@@ -1,4 +1,4 @@
-"""The shape of a paged KV cache in torch: the simulators' model geometry (kvbench.cache.capacity.MODELS) plus what a
+"""The shape of a paged KV cache in torch: the simulators' model geometry (kvbench.models.MODELS) plus what a
 tensor needs on top of it, the element type, the tokens per block and the memory layout.
 
 Two layouts, to A/B what offloading costs:
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.capacity import MODELS, ModelGeometry
 from kvbench.errors import KvbenchError
+from kvbench.models import MODELS, ModelGeometry
 
 DTYPES = {
     "bf16": torch.bfloat16,

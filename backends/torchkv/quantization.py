@@ -25,8 +25,8 @@ from fractions import Fraction
 
 import torch
 
-from kvbench.cache.capacity import ModelGeometry
 from kvbench.errors import KvbenchError
+from kvbench.models import ModelGeometry
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes; odd entries have mantissa bit 1

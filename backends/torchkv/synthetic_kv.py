@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from kvbench.cache.capacity import ModelGeometry
+from kvbench.models import ModelGeometry
 
 ROPE_BASE = 500_000.0  # Llama 3's rope_theta
 OUTLIER_SHARE = 1 / 32  # of a head's channels: 4 of 128

@@ -17,10 +17,9 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from kvbench.run.pacing import Outcome
-
 from kvbench.live.dispatch import dispatch
 from kvbench.run.backend import OnlineBackend
+from kvbench.run.pacing import Outcome
 from kvbench.run.plugins import load_backend
 from kvbench.trace.files import TraceMeta
 

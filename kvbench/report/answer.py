@@ -28,9 +28,8 @@ def _steady(p: dict) -> float:
 def bytes_per_block(summary: dict) -> float | None:
     """KV bytes of one block under the run's --model geometry (a preset or its --specs file), or None when the
     run named none or it cannot be resolved any more (a specs file gone since): capacities then stay in blocks."""
-    from kvbench.cache.capacity import KV_DTYPE_BYTES
     from kvbench.errors import KvbenchError
-    from kvbench.models import resolve_model
+    from kvbench.models import KV_DTYPE_BYTES, resolve_model
 
     config = summary.get("config") or {}
     dtype = config.get("kv_dtype") or "bf16"

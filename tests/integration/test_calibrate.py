@@ -1,9 +1,9 @@
 """`kvbench calibrate` against the real vLLM CPU engine (`@pytest.mark.engine`): the file it writes describes the
 engine and the plan, its six terms are finite and ≥ 0 with the fit's R² reported, and it loads into engine-sim,
 which then runs on its terms. What the terms are, and how well they fit, is this machine's timing: on a shared or
-loaded machine it can be anything, so no test asserts it (tests/backends/enginesim/test_calibrate.py checks the fit itself on
-synthetic points with known terms). The run passes --force, and when the fit was poor the file must say so. This
-test keeps to a small plan (about a minute on 2 cores)."""
+loaded machine it can be anything, so no test asserts it (tests/backends/enginesim/test_calibrate.py checks the fit
+itself on synthetic points with known terms). The run passes --force, and when the fit was poor the file must
+say so. This test keeps to a small plan (about a minute on 2 cores)."""
 
 from __future__ import annotations
 

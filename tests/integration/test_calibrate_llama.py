@@ -2,8 +2,8 @@
 none runs unless KVBENCH_REQUIRE_ENGINES is set). The file it writes must describe llama-server as calibration
 read it (its slots, per-slot context, n_batch as the prefill chunk, decode batches inside its slots) and hold six
 finite terms ≥ 0, the fitted ones positive. How large they are, and how well they fit, is this machine's timing:
-not asserted (tests/backends/enginesim/test_calibrate_llama.py checks the fit on synthetic points). A small plan: seconds on the
-tiny model; --force, so that a noisy moment cannot fail the structure checks."""
+not asserted (tests/backends/enginesim/test_calibrate_llama.py checks the fit on synthetic points). A small plan:
+seconds on the tiny model; --force, so that a noisy moment cannot fail the structure checks."""
 
 from __future__ import annotations
 

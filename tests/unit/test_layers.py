@@ -116,14 +116,16 @@ def backend_imports_of_other_backends(found: list[Import]) -> list[str]:
 
 
 # The layers of the core, bottom first (docs/architecture.md, Layers): a module may import its own layer and those
-# below, never one above. The trace schema is the bottom; the cache model and the catalogue of model geometries
-# and accelerators build on it; the metrics' definitions read both; the runner (and the local engines it starts)
-# makes runs; the live client sends requests; the report reads run directories; the command line and the
-# Python API are the top. The modules outside every layer (errors, options, registry, redact, the package
-# itself) import none of them; `kvbench.testing` is imported by no layer at all.
+# below, never one above. The trace schema is the bottom; the catalogue of model geometries and accelerators sits
+# on it, and the cache model (which sizes capacities with a geometry) on both; the metrics' definitions read the
+# trace and the cache; the runner (and the local engines it starts) makes runs; the live client sends requests;
+# the report reads run directories; the command line and the Python API are the top. The modules outside every
+# layer (errors, options, registry, redact, the package itself) import none of them; `kvbench.testing` is
+# imported by no layer at all.
 LAYERS: list[tuple[str, ...]] = [
     ("kvbench.trace",),
-    ("kvbench.cache", "kvbench.models"),
+    ("kvbench.models",),
+    ("kvbench.cache",),
     ("kvbench.metrics",),
     ("kvbench.run", "kvbench.engines"),
     ("kvbench.live",),

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench import options
-from kvbench.cache.capacity import MODELS
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
+from kvbench.models import MODELS
 from kvbench.options import option, unit_of
 from kvbench.run.plugins import load_backend
 

@@ -17,10 +17,9 @@ from click.testing import CliRunner
 from kvbench.backends.enginesim import calibrate as C
 from kvbench.backends.enginesim.roofline import Calibration, LatencyModel
 
-from kvbench.cache.capacity import MODELS
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
-from kvbench.models import HARDWARE
+from kvbench.models import HARDWARE, MODELS
 from kvbench.run.pacing import Outcome
 from kvbench.testing.fakeserver import FakeServer
 from tests.unit.live.conftest import RunningServer, free_port

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.cache.capacity import KV_DTYPE_BYTES
 from kvbench.errors import KvbenchError
-from kvbench.models import MODELS
+from kvbench.models import KV_DTYPE_BYTES, MODELS
 from kvbench.run.plugins import load_backend
 from kvbench.run.runner import run_replay
 from kvbench.trace.files import new_meta, write_trace

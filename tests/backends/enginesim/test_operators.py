@@ -15,8 +15,7 @@ import pytest
 from kvbench.backends.enginesim.operators import OperatorModel, applies, mlp_width
 from kvbench.backends.enginesim.roofline import LatencyModel
 
-from kvbench.cache.capacity import MODELS
-from kvbench.models import GEMM_TILES, HARDWARE
+from kvbench.models import GEMM_TILES, HARDWARE, MODELS
 from tests.conftest import REPO
 
 H100 = HARDWARE["h100"]

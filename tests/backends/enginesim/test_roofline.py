@@ -1,4 +1,4 @@
-"""The roofline latency model (backends/enginesim/roofline.py) and the specs it reads (kvbench/models.py):
+"""The roofline latency model (backends/enginesim/roofline.py) and the specs it reads (kvbench/models/hardware.py):
 published numbers in, latencies that scale the way the two bounds say."""
 
 import dataclasses
@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 from kvbench.backends.enginesim.roofline import Calibration, LatencyModel
 
-from kvbench.cache.capacity import MODELS, ModelGeometry
 from kvbench.errors import KvbenchError
-from kvbench.models import HARDWARE, load_specs, resolve_hardware, resolve_model
+from kvbench.models import HARDWARE, MODELS, ModelGeometry, load_specs, resolve_hardware, resolve_model
 
 LLAMA8 = MODELS["llama3-8b"]
 # The datasheet roofline: the h100 preset without its measured kernel terms (test_operators.py tests those)

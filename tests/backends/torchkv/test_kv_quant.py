@@ -21,9 +21,9 @@ from kvbench.backends.torchkv.quantization import (
 )
 from kvbench.backends.torchkv.synthetic_kv import SyntheticKv, attention, relative_error
 
-from kvbench.cache.capacity import KV_DTYPE_BYTES, MODELS
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
+from kvbench.models import KV_DTYPE_BYTES, MODELS
 from kvbench.run.runner import run_replay
 
 

@@ -22,8 +22,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.cache.capacity import MODELS, ModelGeometry
 from kvbench.errors import KvbenchError
+from kvbench.models.geometry import MODELS, ModelGeometry
 
 # Host-tier defaults, for presets that do not say otherwise.
 # DRAM: two sockets × 8 channels of DDR5-4800 (2 × 307 GB/s) shared by the 8 GPUs of a server ≈ 77 GB/s each.
