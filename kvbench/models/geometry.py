@@ -53,9 +53,9 @@ class ModelGeometry:
 
 
 # Published configs: layers, heads, widths (intermediate_size, vocab_size) from each model's config.json on its
-# Hugging Face page. Dense parameter counts are computed from that config.json (embeddings + layers + final norm, untied lm_head) and agree with the
-# model cards: Llama 3/3.1 "8B/70B/405B" (8.03B, 70.55B, 405.85B in the safetensors index), Qwen2.5 7.61B and
-# 72.7B, Qwen3 8.2B and 32.8B, Mistral-7B-v0.3 7.25B.
+# Hugging Face page. Dense parameter counts are computed from that config.json (embeddings + layers + final norm,
+# untied lm_head) and agree with the model cards: Llama 3/3.1 "8B/70B/405B" (8.03B, 70.55B, 405.85B in the safetensors
+# index), Qwen2.5 7.61B and 72.7B, Qwen3 8.2B and 32.8B, Mistral-7B-v0.3 7.25B.
 MODELS = {
     m.name: m
     for m in (
