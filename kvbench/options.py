@@ -1,11 +1,14 @@
-"""Backend options declared once (docs/architecture.md, Options). A backend's settings are one dataclass whose
-fields are made with `option(...)`: each carries its help, its unit and its click type. From that class come the three things the backend protocol (kvbench.run.backend) asks for:
+"""Options declared once (docs/architecture.md, Options). A backend's settings, a command's options, a trace
+generator's parameters, the pacing and scenario options are each one dataclass whose fields are made with
+`option(...)`: each carries its help, its unit and its click type. From such a class come:
 
-- `cli_options(cls)`: the `kvbench replay` options, one per field, each help ending in `[unit: …]`;
-- `parse(cls, kwargs)`: the constructor's keyword arguments read into the dataclass, and what is left for options declared elsewhere (policies', scenarios');
-- `record(config, **resolved)`: the `config()` record, one key per field.
+- `cli_options(cls)`: the click options, one per field in field order, each help ending in `[unit: …]`;
+- `command_options(cls)`: the same as a decorator of a click command;
+- `parse(cls, kwargs)`: a backend's keyword arguments read into the dataclass, and what is left for options
+  declared elsewhere (policies', scenarios');
+- `record(config, **resolved)`: a backend's `config()` record, one key per field.
 
-It is an opt-in helper: a plug-in backend may write the three methods by hand (tests/plugins has one)."""
+It is an opt-in helper: a plug-in backend may write its three methods by hand (tests/plugins has one)."""
 
 from __future__ import annotations
 
@@ -39,6 +42,12 @@ def option(default, help: str | Callable[[], str], *, unit: str, flag=None, type
 
 def _spec(field: dataclasses.Field) -> Spec:
     return field.metadata["option"]
+
+
+def help_of(field: dataclasses.Field) -> str:
+    """The field's help as written, without its unit (for a message that quotes it)."""
+    help = _spec(field).help
+    return help() if callable(help) else help
 
 
 def _decls(field: dataclasses.Field) -> list[str]:
@@ -119,16 +128,6 @@ def record(config, **resolved) -> dict:
     for f in dataclasses.fields(config):
         out[_spec(f).key or f.name] = resolved.pop(f.name) if f.name in resolved else getattr(config, f.name)
     return {**out, **resolved}
-
-
-def with_units(options: list[click.Option], units: dict[str, str]) -> list[click.Option]:
-    """Options declared elsewhere (pacing, scenarios) with the unit of those named in `units` added to their
-    help, when it does not state one yet. They are changed in place (a scenario's are class attributes), which
-    is safe to repeat: a help that states a unit is left as it is."""
-    for opt in options:
-        if opt.name in units and UNIT_TAG not in (opt.help or ""):
-            opt.help = tagged(opt.help or "", units[opt.name])
-    return options
 
 
 def unit_of(opt: click.Parameter) -> str | None:

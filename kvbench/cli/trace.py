@@ -36,15 +36,29 @@ def trace() -> None:
 # --- gen: one subcommand per registered generator, options built from its parameter dataclass ----------
 
 
-def _param_option(field: dataclasses.Field) -> click.Option:
-    flag = "--" + field.name.replace("_", "-")
-    help = field.metadata.get("help", "")
-    if isinstance(field.default, bool):
-        return click.Option(
-            [f"{flag}/--no-{flag[2:]}", field.name], default=field.default, show_default=True, help=help
-        )
-    kind = {int: int, float: float}.get(type(field.default), str)
-    return click.Option([flag, field.name], type=kind, default=field.default, show_default=True, help=help)
+@dataclasses.dataclass(frozen=True)
+class GenOptions:
+    """The options every `kvbench trace gen KIND` takes before its generator's parameters."""
+
+    n: int = options.option(
+        1000, "number of requests to generate", unit="requests", flag=("-n", "--requests"), type=click.IntRange(min=1)
+    )
+    seed: int = options.option(
+        0, "random seed; same parameters and seed give an identical trace", unit="integer", type=int
+    )
+    block_size: int = options.option(
+        generators.DEFAULT_BLOCK_SIZE,
+        "tokens per hash block (the cache's block/page size)",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    out: str | None = options.option(
+        None,
+        "output Parquet file [default: KIND-nN-sSEED.parquet]",
+        unit="path",
+        flag=("-o", "--out"),
+        type=click.Path(dir_okay=False),
+    )
 
 
 def _gen_command(gen: generators.Generator) -> click.Command:
@@ -55,34 +69,7 @@ def _gen_command(gen: generators.Generator) -> click.Command:
             rows = gen.write(out, n, seed=seed, block_size=block_size, **params)
         click.echo(f"wrote {out} ({rows:,} requests, block size {block_size})")
 
-    options = [
-        click.Option(
-            ["-n", "--requests", "n"],
-            type=click.IntRange(min=1),
-            default=1000,
-            show_default=True,
-            help="number of requests to generate",
-        ),
-        click.Option(
-            ["--seed"],
-            type=int,
-            default=0,
-            show_default=True,
-            help="random seed; same parameters and seed give an identical trace",
-        ),
-        click.Option(
-            ["--block-size"],
-            type=click.IntRange(min=1),
-            default=generators.DEFAULT_BLOCK_SIZE,
-            show_default=True,
-            help="tokens per hash block (the cache's block/page size)",
-        ),
-        click.Option(
-            ["-o", "--out"],
-            type=click.Path(dir_okay=False),
-            help="output Parquet file [default: KIND-nN-sSEED.parquet]",
-        ),
-    ] + [_param_option(f) for f in dataclasses.fields(gen.params_type)]
+    params = options.cli_options(GenOptions) + options.cli_options(gen.params_type)
     if gen.stream is not None:
         memory = "Written window by window in bounded memory, for any -n (the same trace as in one piece)."
     else:
@@ -91,7 +78,7 @@ def _gen_command(gen: generators.Generator) -> click.Command:
             "a count that would not fit in the free memory is refused."
         )
     help = f"{gen.summary}\n\n{memory} The trace is validated as it is written."
-    return click.Command(gen.name, callback=run, params=options, help=help, short_help=gen.summary)
+    return click.Command(gen.name, callback=run, params=params, help=help, short_help=gen.summary)
 
 
 class _GenGroup(click.Group):
