@@ -1,13 +1,14 @@
-"""Backend options declared once (docs/architecture.md, Options). A backend's settings are one dataclass whose
-fields are made with `option(...)`: each carries its help, its unit and its click type. From that class come the
-three things the backend protocol (kvbench.run.backend) asks for:
+"""Options declared once (docs/architecture.md, Options). A backend's settings, a command's options, a trace
+generator's parameters, the pacing and scenario options are each one dataclass whose fields are made with
+`option(...)`: each carries its help, its unit and its click type. From such a class come:
 
-- `cli_options(cls)`: the `kvbench replay` options, one per field, each help ending in `[unit: …]`;
-- `parse(cls, kwargs)`: the constructor's keyword arguments read into the dataclass, and what is left for
-  options declared elsewhere (policies', scenarios');
-- `record(config, **resolved)`: the `config()` record, one key per field.
+- `cli_options(cls)`: the click options, one per field in field order, each help ending in `[unit: …]`;
+- `command_options(cls)`: the same as a decorator of a click command;
+- `parse(cls, kwargs)`: a backend's keyword arguments read into the dataclass, and what is left for options
+  declared elsewhere (policies', scenarios');
+- `record(config, **resolved)`: a backend's `config()` record, one key per field.
 
-It is an opt-in helper: a plug-in backend may write the three methods by hand (tests/plugins has one)."""
+It is an opt-in helper: a plug-in backend may write its three methods by hand (tests/plugins has one)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ class Spec:
 
     help: str | Callable[[], str]  # a callable when the text is made from a registry (read at --help time)
     unit: str  # GB/s, bytes, s, …; "name", "path", "on/off" or "unitless" where no unit applies
-    flag: str | None  # "--salt/--no-salt", "--timeout"; None: "--" + the field name with hyphens
+    flag: str | tuple[str, ...] | None  # "--salt/--no-salt", ("-o", "--out"); None: "--" + the field name, hyphens
     type: Any  # a click type; None: click's guess from the default
     key: str | None  # the field's name in config() when it differs (policy -> policies: the parsed list)
     click: dict  # further click.Option arguments (is_flag, multiple, envvar, metavar, show_default)
 
 
 def option(default, help: str | Callable[[], str], *, unit: str, flag=None, type=None, key=None, **click_kwargs):
-    """A backend option as a dataclass field; `unit` is shown in --help (GB/s means 1e9 bytes/s)."""
+    """An option as a dataclass field (a backend's or a command's); `unit` is shown in --help (GB/s means 1e9
+    bytes/s)."""
     spec = Spec(help, unit, flag, type, key, click_kwargs)
     return dataclasses.field(default=default, metadata={"option": spec})
 
@@ -43,9 +45,21 @@ def _spec(field: dataclasses.Field) -> Spec:
     return field.metadata["option"]
 
 
+def help_of(field: dataclasses.Field) -> str:
+    """The field's help as written, without its unit (for a message that quotes it)."""
+    help = _spec(field).help
+    return help() if callable(help) else help
+
+
+def _decls(field: dataclasses.Field) -> list[str]:
+    flag = _spec(field).flag or "--" + field.name.replace("_", "-")
+    return [flag] if isinstance(flag, str) else list(flag)
+
+
 def flag_of(field: dataclasses.Field) -> str:
-    """The field's main flag (`--salt` of `--salt/--no-salt`)."""
-    return (_spec(field).flag or "--" + field.name.replace("_", "-")).split("/")[0]
+    """The field's main flag (`--salt` of `--salt/--no-salt`, `--out` of `-o/--out`)."""
+    decls = _decls(field)
+    return next((d for d in decls if d.startswith("--")), decls[0]).split("/")[0]
 
 
 def tagged(help: str | Callable[[], str], unit: str) -> str:
@@ -64,15 +78,30 @@ def cli_options(cls) -> list[click.Option]:
     for f in dataclasses.fields(cls):
         spec = _spec(f)
         extra = dict(spec.click)
-        plain_flag = extra.get("is_flag") and "/" not in (spec.flag or "")
+        plain_flag = extra.get("is_flag") and not any("/" in d for d in _decls(f))
         extra.setdefault("show_default", f.default is not None and not plain_flag)
         opts.append(
             click.Option(
-                [spec.flag or flag_of(f), f.name], type=spec.type, default=f.default, help=tagged(spec.help, spec.unit),
+                [*_decls(f), f.name], type=spec.type, default=f.default, help=tagged(spec.help, spec.unit),
                 **extra,
             )
         )  # fmt: skip
     return opts
+
+
+def command_options(cls):
+    """A decorator that gives a click command the options of `cls` (`cli_options`), in field order, where it
+    stands among the command's other decorators, as the same run of `@click.option`s would."""
+    params = cli_options(cls)
+
+    def decorate(f):
+        if isinstance(f, click.Command):
+            f.params.extend(params)
+        else:  # click reverses the decorators' list when it makes the command
+            f.__dict__.setdefault("__click_params__", []).extend(reversed(params))
+        return f
+
+    return decorate
 
 
 def parse(cls, kwargs: dict):
@@ -102,16 +131,6 @@ def record(config, **resolved) -> dict:
     return {**out, **resolved}
 
 
-def with_units(options: list[click.Option], units: dict[str, str]) -> list[click.Option]:
-    """Options declared elsewhere (pacing, scenarios) with the unit of those named in `units` added to their
-    help, when it does not state one yet. They are changed in place (a scenario's are class attributes), which
-    is safe to repeat: a help that states a unit is left as it is."""
-    for opt in options:
-        if opt.name in units and UNIT_TAG not in (opt.help or ""):
-            opt.help = tagged(opt.help or "", units[opt.name])
-    return options
-
-
 def unit_of(opt: click.Parameter) -> str | None:
     """The unit an option's help states, or None."""
     help = getattr(opt, "help", None) or ""
@@ -129,8 +148,7 @@ class PolicyOption(click.Option):
         self.policies = policies
 
 
-def served_model_option(help: str):
-    """`--served-model NAME` for a command that talks to a server (calibrate, fidelity, audit): the name the
-    server serves, where `--model` means a model geometry everywhere else. It lands in the command's `model`
-    parameter."""
-    return click.option("--served-model", "model", help=help)
+def served_model(help: str):
+    """`--served-model NAME` of a command that talks to a server (calibrate, fidelity, audit), as the command's
+    `model` field: the name the server serves, where `--model` means a model geometry everywhere else."""
+    return option(None, help, unit="name", flag="--served-model")

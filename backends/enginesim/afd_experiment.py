@@ -8,6 +8,7 @@ directory (never over an earlier one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.errors import KvbenchError
 from kvbench.models import HARDWARE, MODELS, weight_split
 from kvbench.run.rundir import RunDir, stamp
@@ -121,34 +123,49 @@ def write(path: Path, cases: list[dict], command: str) -> None:
     plot(cases, path / "attn_ffn.png")
 
 
+@dataclasses.dataclass(frozen=True)
+class AttnFfnOptions:
+    """The options of `attn_ffn`."""
+
+    model: str | None = options.option(
+        None,
+        "model preset (kvbench.models.MODELS), e.g. deepseek-v3",
+        unit="name",
+        required=True,
+    )
+    hardware: str | None = options.option(None, "device preset, e.g. h200", unit="name", required=True)
+    devices: int | None = options.option(
+        None,
+        "devices split between the two sides",
+        unit="devices",
+        type=int,
+        required=True,
+    )
+    weight_dtype: str = options.option("bf16", "weight format", unit="name", type=click.Choice(["bf16", "fp8", "int4"]))
+    context: int = options.option(4096, "tokens each sequence holds", unit="tokens", type=int)
+    micro_batches: int = options.option(
+        3,
+        "ping-pong micro-batches per step, which hide the link behind compute",
+        unit="count",
+        type=click.IntRange(1),
+    )
+    max_batch: int = options.option(
+        MAX_BATCH,
+        "most sequences per attention device (vLLM's max_num_seqs)",
+        unit="sequences",
+        type=click.IntRange(1),
+    )
+    out: str | None = options.option(
+        None,
+        "run directory [default: reports/<time>-attn-ffn]",
+        unit="path",
+        type=click.Path(file_okay=False),
+    )
+    overwrite: bool = options.option(False, "empty --out first if it holds an earlier run", unit="on/off", is_flag=True)
+
+
 @click.command("attn-ffn")
-@click.option("--model", required=True, help="model preset (kvbench.models.MODELS), e.g. deepseek-v3 [unit: name]")
-@click.option("--hardware", required=True, help="device preset, e.g. h200 [unit: name]")
-@click.option("--devices", type=int, required=True, help="devices split between the two sides [unit: devices]")
-@click.option(
-    "--weight-dtype",
-    type=click.Choice(["bf16", "fp8", "int4"]),
-    default="bf16",
-    show_default=True,
-    help="weight format [unit: name]",
-)
-@click.option("--context", type=int, default=4096, show_default=True, help="tokens each sequence holds [unit: tokens]")
-@click.option(
-    "--micro-batches",
-    type=click.IntRange(1),
-    default=3,
-    show_default=True,
-    help="ping-pong micro-batches per step, which hide the link behind compute [unit: count]",
-)
-@click.option(
-    "--max-batch",
-    type=click.IntRange(1),
-    default=MAX_BATCH,
-    show_default=True,
-    help="most sequences per attention device (vLLM's max_num_seqs) [unit: sequences]",
-)
-@click.option("--out", type=click.Path(file_okay=False), help="run directory [default: reports/<time>-attn-ffn]")
-@click.option("--overwrite", is_flag=True, help="empty --out first if it holds an earlier run")
+@options.command_options(AttnFfnOptions)
 def attn_ffn(model, hardware, devices, weight_dtype, context, micro_batches, max_batch, out, overwrite):
     """Attention/FFN disaggregation: decode tokens/s per device and TPOT for every attention:FFN split of
     --devices, against one colocated instance (docs/parallelism.md)."""

@@ -16,7 +16,7 @@ from kvbench.backends.enginesim.roofline import LatencyModel
 
 from kvbench.errors import KvbenchError
 from kvbench.models import DEPLOYMENTS, KV_DTYPE_BYTES, weight_split
-from kvbench.options import with_units
+from kvbench.options import cli_options, option
 
 DEGREES = ("tp", "pp", "ep", "dp_attention")
 POOLS = ("prefill", "decode")
@@ -31,61 +31,63 @@ _DEGREE_HELP = {
 }
 
 
-def _degree_options() -> list[click.Option]:
-    opts = []
-    for name in DEGREES:
-        flag = "--" + name.replace("_", "-")
-        opts.append(click.Option([flag, name], type=click.IntRange(min=1), default=None,
-                                 help=f"{_DEGREE_HELP[name]} [default: the --deployment's, else 1]"))  # fmt: skip
-        for pool in POOLS:
-            opts.append(click.Option(
-                [f"--{pool}-{flag[2:]}", f"{pool}_{name}"], type=click.IntRange(min=1), default=None,
-                help=f"--disagg pd: {flag} of the {pool} instances [default: {flag}]",
-            ))  # fmt: skip
-    return opts
-
-
-OPTIONS = with_units(
-    [
-        click.Option(
-            ["--deployment"],
-            type=click.Choice(list(DEPLOYMENTS)),
-            default=None,
-            help="preset instance: model, hardware, tp/pp/ep/dp-attention and weight dtype together "
+def _fields():
+    """(name, type, field) of every parallelism option, in --help order: made in a loop, as each degree has a
+    prefill and a decode twin for --disagg pd."""
+    yield (
+        "deployment",
+        str | None,
+        option(
+            None,
+            "preset instance: model, hardware, tp/pp/ep/dp-attention and weight dtype together "
             "(kvbench.models.DEPLOYMENTS); options given explicitly win",
+            unit="name",
+            type=click.Choice(list(DEPLOYMENTS)),
         ),
-        *_degree_options(),
-        click.Option(
-            ["--weight-dtype"],
+    )
+    for name in DEGREES:
+        flag, unit = "--" + name.replace("_", "-"), {"tp": "devices", "pp": "stages"}.get(name, "groups")
+        help = f"{_DEGREE_HELP[name]} [default: the --deployment's, else 1]"
+        yield name, int | None, option(None, help, unit=unit, type=click.IntRange(min=1))
+        for pool in POOLS:
+            help = f"--disagg pd: {flag} of the {pool} instances [default: {flag}]"
+            yield f"{pool}_{name}", int | None, option(None, help, unit=unit, type=click.IntRange(min=1))
+    yield (
+        "weight_dtype",
+        str | None,
+        option(
+            None,
+            "weight element type: bytes per parameter in HBM and per step read "
+            "[default: the --deployment's, else bf16]",
+            unit="name",
             type=click.Choice(list(KV_DTYPE_BYTES)),
-            default=None,
-            help="weight element type: bytes per parameter in HBM and per step read [default: the "
-            "--deployment's, else bf16]",
         ),
-        click.Option(
-            ["--pp-micro-batches"],
+    )
+    yield (
+        "pp_micro_batches",
+        int | None,
+        option(
+            None,
+            "micro-batches a step is cut into when pp > 1 (at most one per sequence) [default: pp]",
+            unit="micro-batches",
             type=click.IntRange(min=1),
-            default=None,
-            help="micro-batches a step is cut into when pp > 1 (at most one per sequence) [default: pp]",
         ),
-        click.Option(
-            ["--expert-imbalance"],
+    )
+    yield (
+        "expert_imbalance",
+        float,
+        option(
+            1.0,
+            "busiest expert-parallel group's tokens over the mean (1 = perfectly balanced); scales its expert math, "
+            "expert weight reads and all-to-all bytes",
+            unit="ratio, ≥ 1",
             type=click.FloatRange(min=1.0),
-            default=1.0,
-            show_default=True,
-            help="busiest expert-parallel group's tokens over the mean (1 = perfectly balanced); scales its "
-            "expert math, expert weight reads and all-to-all bytes",
         ),
-    ],
-    {
-        "deployment": "name",
-        "weight_dtype": "name",
-        "pp_micro_batches": "micro-batches",
-        "expert_imbalance": "ratio, ≥ 1",
-        **{n: {"tp": "devices", "pp": "stages"}.get(n, "groups") for n in DEGREES},
-        **{f"{p}_{n}": {"tp": "devices", "pp": "stages"}.get(n, "groups") for p in POOLS for n in DEGREES},
-    },
-)
+    )
+
+
+ParallelOptions = dataclasses.make_dataclass("ParallelOptions", list(_fields()), frozen=True)
+OPTIONS = cli_options(ParallelOptions)
 NAMES = frozenset(o.name for o in OPTIONS)
 
 

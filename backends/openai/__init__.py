@@ -113,9 +113,6 @@ class OpenAIConfig:
     )
 
 
-# the units of the pacing options (declared in kvbench.run.pacing), stated in --help
-
-
 class OpenAIBackend:
     name = "openai"
     kind = "online"  # kvbench.run.backend.OnlineBackend

@@ -6,6 +6,7 @@ requests, by decode position; optionally a mixed policy (older blocks in fewer b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.cache.capacity import parse_size
 from kvbench.errors import KvbenchError
 from kvbench.models import MODELS
-from kvbench.options import tagged
 from kvbench.run.rundir import RunDir, stamp
 
 DEFAULT_FORMATS = "bf16,fp8,int8,fp4,int4,int2"
@@ -137,124 +138,125 @@ def _names(ctx, param, value):
     return value.strip() if value is not None else value
 
 
+@dataclasses.dataclass(frozen=True)
+class KvQuantOptions:
+    """The options of `kv_quant`."""
+
+    memory: str | None = options.option(
+        None,
+        "KV memory the cache may use, e.g. 16GiB or 40GB",
+        unit="bytes (B, KB/MB/GB, KiB/MiB/GiB)",
+        required=True,
+    )
+    model: str | None = options.option(
+        None,
+        "model geometry: layers, KV heads, head dim",
+        unit="name",
+        type=click.Choice([m for m in MODELS if not MODELS[m].mla]),
+        required=True,
+    )
+    kv_dtypes: str = options.option(
+        DEFAULT_FORMATS,
+        "formats compared, comma-separated (bf16, fp8, int8, fp4, int4, int2)",
+        unit="names",
+        callback=_names,
+    )
+    group_size: int = options.option(
+        32,
+        "elements sharing one scale (and zero point): along a token's head vector they must divide head_dim",
+        unit="elements",
+        type=int,
+    )
+    key_grouping: str = options.option(
+        "channel",
+        "keys' groups: one channel over consecutive tokens (KIVI) or a token's channels",
+        unit="name",
+        type=click.Choice(["channel", "token"]),
+    )
+    value_grouping: str = options.option(
+        "token",
+        "values' groups, as --key-grouping",
+        unit="name",
+        type=click.Choice(["token", "channel"]),
+    )
+    kv_dtype_old: str | None = options.option(
+        None,
+        "add a mixed row: blocks older than --kv-old-after-tokens in this format",
+        unit="name",
+    )
+    kv_dtype: str = options.option("int4", "the mixed row's format for recent blocks", unit="name")
+    kv_old_after_tokens: int = options.option(
+        4096,
+        "a block turns old when its newest token is this far behind the sequence's newest",
+        unit="tokens",
+        type=int,
+    )
+    policy: str = options.option("lru", "eviction policy of the hit-rate run", unit="name")
+    max_context: int = options.option(
+        8192,
+        "tokens of K/V generated per measured request at most (prompt + decode)",
+        unit="tokens",
+        type=click.IntRange(min=2),
+    )
+    n_requests: int = options.option(
+        4,
+        "requests measured: those with the longest outputs",
+        unit="count",
+        flag="--requests",
+        type=click.IntRange(min=1),
+    )
+    layers: int = options.option(
+        1,
+        "layers measured, evenly spaced from the first to the last",
+        unit="count",
+        type=click.IntRange(min=1),
+    )
+    buckets: int = options.option(
+        8,
+        "decode-position buckets of the error table",
+        unit="count",
+        type=click.IntRange(min=1),
+    )
+    queries_per_bucket: int = options.option(
+        8,
+        "query positions per request and bucket",
+        unit="count",
+        type=click.IntRange(min=1),
+    )
+    age_parts: int = options.option(
+        4,
+        "slices of the context in the key-age sensitivity",
+        unit="count",
+        type=click.IntRange(min=1),
+    )
+    seed: int = options.option(0, "seed of the generative K/V", unit="integer", type=int)
+    device: str = options.option(
+        "auto",
+        "where quantization and attention run: cuda when a GPU is present (auto), else cpu; K/V are "
+        "drawn on the CPU generator either way, so both give the same K/V",
+        unit="name",
+        type=click.Choice(["auto", "cpu", "cuda"]),
+    )
+    out: str | None = options.option(
+        None,
+        "run directory; one that holds something is refused unless --overwrite "
+        "[default: reports/<time>-kv-quant-<trace>]",
+        unit="path",
+        type=click.Path(file_okay=False),
+    )
+    overwrite: bool = options.option(False, "replace what --out holds", unit="on/off", is_flag=True)
+    plots: bool = options.option(
+        True,
+        "draw the report's plot (matplotlib)",
+        unit="on/off",
+        flag="--plots/--no-plots",
+        show_default=False,
+    )
+
+
 @click.command("kv-quant")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "--memory",
-    required=True,
-    help="KV memory the cache may use, e.g. 16GiB or 40GB [unit: bytes (B, KB/MB/GB, KiB/MiB/GiB)]",
-)
-@click.option(
-    "--model",
-    required=True,
-    type=click.Choice([m for m in MODELS if not MODELS[m].mla]),
-    help="model geometry: layers, KV heads, head dim [unit: name]",
-)
-@click.option(
-    "--kv-dtypes",
-    default=DEFAULT_FORMATS,
-    show_default=True,
-    callback=_names,
-    help="formats compared, comma-separated (bf16, fp8, int8, fp4, int4, int2) [unit: names]",
-)
-@click.option(
-    "--group-size",
-    type=int,
-    default=32,
-    show_default=True,
-    help="elements sharing one scale (and zero point): along a token's head vector they must divide "
-    "head_dim [unit: elements]",
-)
-@click.option(
-    "--key-grouping",
-    type=click.Choice(["channel", "token"]),
-    default="channel",
-    show_default=True,
-    help="keys' groups: one channel over consecutive tokens (KIVI) or a token's channels [unit: name]",
-)
-@click.option(
-    "--value-grouping",
-    type=click.Choice(["token", "channel"]),
-    default="token",
-    show_default=True,
-    help="values' groups, as --key-grouping [unit: name]",
-)
-@click.option(
-    "--kv-dtype-old",
-    default=None,
-    help="add a mixed row: blocks older than --kv-old-after-tokens in this format [unit: name]",
-)
-@click.option(
-    "--kv-dtype", default="int4", show_default=True, help="the mixed row's format for recent blocks [unit: name]"
-)
-@click.option(
-    "--kv-old-after-tokens",
-    type=int,
-    default=4096,
-    show_default=True,
-    help="a block turns old when its newest token is this far behind the sequence's newest [unit: tokens]",
-)
-@click.option("--policy", default="lru", show_default=True, help="eviction policy of the hit-rate run [unit: name]")
-@click.option(
-    "--max-context",
-    type=click.IntRange(min=2),
-    default=8192,
-    show_default=True,
-    help="tokens of K/V generated per measured request at most (prompt + decode) [unit: tokens]",
-)
-@click.option(
-    "--requests",
-    "n_requests",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="requests measured: those with the longest outputs [unit: count]",
-)
-@click.option(
-    "--layers",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="layers measured, evenly spaced from the first to the last [unit: count]",
-)
-@click.option(
-    "--buckets",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="decode-position buckets of the error table [unit: count]",
-)
-@click.option(
-    "--queries-per-bucket",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="query positions per request and bucket [unit: count]",
-)
-@click.option(
-    "--age-parts",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="slices of the context in the key-age sensitivity [unit: count]",
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="seed of the generative K/V [unit: integer]")
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    show_default=True,
-    help="where quantization and attention run: cuda when a GPU is present (auto), else cpu; K/V are "
-    "drawn on the CPU generator either way, so both give the same K/V [unit: name]",
-)
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    help=tagged("run directory; one that holds something is refused unless --overwrite "
-                "[default: reports/<time>-kv-quant-<trace>]", "path"),
-)
-@click.option("--overwrite", is_flag=True, help="replace what --out holds [unit: on/off]")
-@click.option("--plots/--no-plots", default=True, help="draw the report's plot (matplotlib) [unit: on/off]")
+@options.command_options(KvQuantOptions)
 def kv_quant(trace_path, memory, model, kv_dtypes, group_size, key_grouping, value_grouping, kv_dtype_old, kv_dtype,
              kv_old_after_tokens, policy, max_context, n_requests, layers, buckets, queries_per_bucket, age_parts,
              seed, device, out, overwrite, plots):  # fmt: skip

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
 
+from kvbench import options
 from kvbench.cli.render import console
-from kvbench.options import served_model_option
 
 
 @click.group()
@@ -15,17 +16,37 @@ def audit():
     """Check properties of a live server."""
 
 
+@dataclasses.dataclass(frozen=True)
+class IsolationOptions:
+    """The options of `isolation`."""
+
+    url: str | None = options.option(
+        None,
+        "server base URL, e.g. http://127.0.0.1:8011",
+        unit="URL",
+        required=True,
+        envvar="KVBENCH_URL",
+    )
+    model: str | None = options.served_model(
+        "model to probe [default: the first of GET /v1/models] (a name, not a geometry)"
+    )
+    vocab: int = options.option(
+        4096,
+        "probe token ids are drawn below this (at most the model's vocabulary size)",
+        unit="token ids",
+        type=click.IntRange(min=64),
+    )
+    as_json: bool = options.option(
+        False,
+        "print the probes and the verdict as JSON",
+        unit="on/off",
+        flag="--json",
+        is_flag=True,
+    )
+
+
 @audit.command()
-@click.option("--url", required=True, envvar="KVBENCH_URL", help="server base URL, e.g. http://127.0.0.1:8011")
-@served_model_option(help="model to probe [default: the first of GET /v1/models] (a name, not a geometry)")
-@click.option(
-    "--vocab",
-    type=click.IntRange(min=64),
-    default=4096,
-    show_default=True,
-    help="probe token ids are drawn below this (at most the model's vocabulary size)",
-)
-@click.option("--json", "as_json", is_flag=True, help="print the probes and the verdict as JSON")
+@options.command_options(IsolationOptions)
 def isolation(url, model, vocab, as_json):
     """Send paired probes (same prefix with same salt / other salt / no salt, and an unsalted control) and
     report whether cache_salt isolates cached prefixes. Exits 1 when salts do not isolate."""

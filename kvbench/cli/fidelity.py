@@ -6,6 +6,7 @@ the measurement request by request: TTFT, TPOT, E2EL errors and cached-token exa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -20,9 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvbench import options
 from kvbench.cli.render import console
 from kvbench.errors import KvbenchError
-from kvbench.options import served_model_option
 from kvbench.run.results import read_requests
 from kvbench.run.rundir import RunDir, stamp
 from kvbench.trace.schema import cap_outputs
@@ -117,52 +118,119 @@ def _modeled_trace(trace: Path, live_dir: Path, out: Path) -> int:
     return table.num_rows
 
 
+@dataclasses.dataclass(frozen=True)
+class FidelityOptions:
+    """The options of `fidelity`."""
+
+    url: str | None = options.option(
+        None,
+        "engine base URL, e.g. http://127.0.0.1:8011",
+        unit="URL",
+        envvar="KVBENCH_URL",
+        required=True,
+    )
+    model: str | None = options.served_model(
+        "model name to request [default: the first of GET /v1/models] (a name, not a geometry)"
+    )
+    api_key_env: str = options.option("OPENAI_API_KEY", "environment variable with the key", unit="name")
+    workload: str = options.option(
+        "chat",
+        "without TRACE: generate a trace of this kind (`kvbench trace gen`)",
+        unit="name",
+        type=click.Choice(WORKLOADS),
+    )
+    seed: int | None = options.option(
+        None,
+        "without TRACE: generator seed [default: a fresh one, recorded]",
+        unit="integer",
+        type=int,
+    )
+    n_requests: int = options.option(
+        60,
+        "requests replayed (the first that fit the engine's context)",
+        unit="requests",
+        flag="--requests",
+        type=click.IntRange(min=2),
+    )
+    concurrency: int = options.option(
+        1,
+        "requests in flight at most; each is sent as soon as a slot frees",
+        unit="requests",
+        type=click.IntRange(min=1),
+    )
+    max_output_tokens: int = options.option(
+        32,
+        "output tokens per request at most (exact: ignore_eos)",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    calibration: str | None = options.option(
+        None,
+        "a `kvbench calibrate` file to use [default: calibrate the endpoint first]",
+        unit="path",
+        type=click.Path(exists=True, dir_okay=False),
+    )
+    calibrate_repeats: int = options.option(
+        3,
+        "repeats of every calibration point (when calibrating)",
+        unit="count",
+        type=click.IntRange(min=1),
+    )
+    max_num_seqs: int | None = options.option(
+        None,
+        "the engine's sequences per step [default: vLLM's CPU default 128; llama.cpp: its slots]",
+        unit="sequences",
+        type=click.IntRange(min=1),
+    )
+    max_num_batched_tokens: int | None = options.option(
+        None,
+        "the engine's tokens per step [default: vLLM's CPU default 2048; llama.cpp: its n_batch, -b, "
+        "from its recorded arguments, else 2048]",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    hbm_capacity: str | None = options.option(
+        None,
+        "the engine's KV pool in blocks [default: vLLM: num_gpu_blocks from its "
+        "/metrics; llama.cpp: its whole context in blocks]",
+        unit="blocks",
+    )
+    block_size: int | None = options.option(
+        None,
+        "the engine's KV block size in tokens [default: vLLM: from its /metrics; llama.cpp, which "
+        "has none: the trace's]",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    sim_model: str = options.option(
+        "kvbench-tiny",
+        "engine-sim model geometry: bytes of KV per token (a preset of kvbench.cache.capacity)",
+        unit="name",
+    )
+    hardware: str = options.option(
+        "cpu",
+        "engine-sim hardware preset (the calibration replaces its step times)",
+        unit="name",
+    )
+    skip_first: int = options.option(
+        2,
+        "requests (the first sent) left out of the error: first requests pay one-off costs",
+        unit="requests",
+        type=click.IntRange(min=0),
+    )
+    out: str | None = options.option(
+        None,
+        "run directory; one that holds something is refused unless --overwrite "
+        "[default: reports/<time>-fidelity-<name>]",
+        unit="path",
+        type=click.Path(file_okay=False),
+    )
+    overwrite: bool = options.option(False, "replace what --out holds", unit="on/off", is_flag=True)
+
+
 @click.command()
 @click.argument("trace_path", metavar="[TRACE]", required=False, type=click.Path(exists=True, dir_okay=False))
-@click.option("--url", envvar="KVBENCH_URL", required=True, help="engine base URL, e.g. http://127.0.0.1:8011")
-@served_model_option(help="model name to request [default: the first of GET /v1/models] (a name, not a geometry)")
-@click.option("--api-key-env", default="OPENAI_API_KEY", show_default=True, help="environment variable with the key")
-@click.option(
-    "--workload",
-    type=click.Choice(WORKLOADS),
-    default="chat",
-    show_default=True,
-    help="without TRACE: generate a trace of this kind (`kvbench trace gen`)",
-)
-@click.option("--seed", type=int, help="without TRACE: generator seed [default: a fresh one, recorded]")
-@click.option("--requests", "n_requests", type=click.IntRange(min=2), default=60, show_default=True,
-              help="requests replayed (the first that fit the engine's context)")  # fmt: skip
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="requests in flight at most; each is sent as soon as a slot frees")  # fmt: skip
-@click.option("--max-output-tokens", type=click.IntRange(min=1), default=32, show_default=True,
-              help="output tokens per request at most (exact: ignore_eos)")  # fmt: skip
-@click.option("--calibration", type=click.Path(exists=True, dir_okay=False),
-              help="a `kvbench calibrate` file to use [default: calibrate the endpoint first]")  # fmt: skip
-@click.option("--calibrate-repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="repeats of every calibration point (when calibrating)")  # fmt: skip
-@click.option("--max-num-seqs", type=click.IntRange(min=1),
-              help="the engine's sequences per step [default: vLLM's CPU default 128; llama.cpp: its slots]")  # fmt: skip
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
-              help="the engine's tokens per step [default: vLLM's CPU default 2048; llama.cpp: its n_batch, -b, "
-              "from its recorded arguments, else 2048]")  # fmt: skip
-@click.option("--hbm-capacity", help="the engine's KV pool in blocks [default: vLLM: num_gpu_blocks from its "
-              "/metrics; llama.cpp: its whole context in blocks]")  # fmt: skip
-@click.option("--block-size", type=click.IntRange(min=1),
-              help="the engine's KV block size in tokens [default: vLLM: from its /metrics; llama.cpp, which "
-              "has none: the trace's]")  # fmt: skip
-@click.option("--sim-model", default="kvbench-tiny", show_default=True,
-              help="engine-sim model geometry: bytes of KV per token (a preset of kvbench.cache.capacity)")  # fmt: skip
-@click.option("--hardware", default="cpu", show_default=True,
-              help="engine-sim hardware preset (the calibration replaces its step times)")  # fmt: skip
-@click.option("--skip-first", type=click.IntRange(min=0), default=2, show_default=True,
-              help="requests (the first sent) left out of the error: first requests pay one-off costs")  # fmt: skip
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    help="run directory; one that holds something is refused unless --overwrite "
-    "[default: reports/<time>-fidelity-<name>]",
-)
-@click.option("--overwrite", is_flag=True, help="replace what --out holds")
+@options.command_options(FidelityOptions)
 def fidelity(trace_path, url, model, api_key_env, workload, seed, n_requests, concurrency, max_output_tokens,
              calibration, calibrate_repeats, max_num_seqs, max_num_batched_tokens, hbm_capacity, block_size, sim_model,
              hardware, skip_first, out, overwrite):  # fmt: skip

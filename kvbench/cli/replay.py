@@ -9,25 +9,14 @@ import sys
 
 import click
 
+from kvbench import options
+from kvbench.cli.replay_options import DEFAULT_BACKEND, ReplayOptions
 from kvbench.errors import KvbenchError
-from kvbench.metrics.failures import DEFAULT_MAX_FAILURE_RATE, check_failure_rate, describe
+from kvbench.metrics.failures import check_failure_rate, describe
 from kvbench.metrics.fairness import describe_guarantee
 from kvbench.metrics.saturation import describe as describe_saturation
 from kvbench.redact import redact_argv
-from kvbench.run.limits import CONTEXT_HELP, FIT_HELP, MAX_OUTPUT_HELP
 from kvbench.run.plugins import backend_names, load_backend
-from kvbench.run.runner import LIVE_EXECUTORS
-from kvbench.trace.context import FIT_MODES
-from kvbench.trace.stats import DEFAULT_WARMUP
-
-DEFAULT_BACKEND = "sim"
-TRACE_CACHE_HELP = (
-    "offline backends, trace read whole: keep what reading and preparing TRACE computes (validation, "
-    "fingerprint, infinite-cache hits; sim: dense block keys, 4-12 bytes of disk a block reference) in "
-    "$KVBENCH_CACHE_DIR [default: ~/.cache/kvbench/prepared], keyed by the file's path, size and times, and load "
-    "it on the next run of the same file (the first run pays the writing); results are the same either way. "
-    "Delete the folder to clear it"
-)
 
 
 def _backend_from_args(args: list[str]) -> str:
@@ -62,113 +51,7 @@ class ReplayCommand(click.Command):
 
 @click.command(cls=ReplayCommand)
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
-@click.option(
-    "--backend",
-    default=DEFAULT_BACKEND,
-    show_default=True,
-    help="backend plug-in (kvbench.backends entry points); its options are listed below",
-)
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    help="run directory; one that already holds a run is refused unless --resume or --overwrite "
-    "[default: reports/<UTC time>-<backend>-<trace>/, with -2, -3, … if another run took the name]",
-)
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="replace what --out holds (deleted once every option was checked, just before the new run starts)",
-)
-@click.option(
-    "--warmup",
-    type=click.FloatRange(0, 1, max_open=True),
-    default=DEFAULT_WARMUP,
-    show_default=True,
-    help="fraction of requests (by arrival) left out of steady-state metrics",
-)
-@click.option(
-    "--tenant-weights",
-    metavar="TENANT=W,...",
-    help="what each tenant pays for or is entitled to, relative (e.g. gold=3,free=1): fairness by entitlement "
-    "compares each tenant's share of the hit tokens with its share of these weights",
-)
-@click.option(
-    "--tenant-slo",
-    metavar="TENANT:ttft=MS,tpot=MS;...",
-    help="TTFT/TPOT/E2EL targets per tenant, in ms, as --slo ('*' for the others; e.g. "
-    "'gold:ttft=200,tpot=30;*:ttft=2000'): "
-    "SLO attainment per tenant and whether each one's TTFT p99 is within its TTFT target, for backends that "
-    "model or measure latency [default: the trace's slo_ttft_ms / slo_tpot_ms columns]",
-)
-@click.option("--max-output-tokens", type=click.IntRange(min=1), help=MAX_OUTPUT_HELP)
-@click.option("--context", "context_tokens", type=click.IntRange(min=1), help=CONTEXT_HELP)
-@click.option("--fit-context", type=click.Choice(FIT_MODES), default="refuse", show_default=True, help=FIT_HELP)
-@click.option(
-    "--like",
-    metavar="URL",
-    help="sim (and engine-sim, for vLLM): predict as the engine at URL is set up, from what it publishes "
-    "(vLLM: /metrics cache_config_info and /v1/models; llama.cpp: /props and /slots): its policy, capacity, "
-    "slots and context, printed; an option given here wins (docs/fidelity.md, Engine settings)",
-)
-@click.option("--json", "as_json", is_flag=True, help="print summary.json to stdout")
-@click.option(
-    "--report/--no-report",
-    default=True,
-    show_default=True,
-    help="write report.md and report.html (plots) next to the results",
-)
-@click.option(
-    "--stream/--no-stream",
-    default=None,
-    help="read the trace's block ids row group by row group, in bounded memory (sim: lru, vllm and the Belady "
-    "bound, whose next uses take up to 40 bytes a block reference of scratch disk under $TMPDIR; no --curve) "
-    "[default: stream traces of more than 60 million block references]",
-)
-@click.option(
-    "--trace-cache/--no-trace-cache",
-    default=True,
-    show_default=True,
-    help=TRACE_CACHE_HELP,
-)
-@click.option(
-    "--resume",
-    is_flag=True,
-    help="live backends: continue the interrupted run in --out DIR; requests it answered (ok, error, timeout) "
-    "are kept, the rest are sent. Refused when the pacing options differ from the first run's, unless --force",
-)
-@click.option("--force", is_flag=True, help="with --resume: go on although the pacing options changed")
-@click.option(
-    "--max-failure-rate",
-    type=click.FloatRange(0, 1),
-    default=DEFAULT_MAX_FAILURE_RATE,
-    show_default=True,
-    help="live backends: the share of sent requests (0-1) that may fail (error or timeout) before the command "
-    "exits with status 3; the results are written either way. 0: any failed request fails the run",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="live backends: load generators sharing the run, each with whole sessions (and what they depend on), all "
-    "starting at one instant; --max-concurrency applies to each. More than 1 needs --executor ray. A worker "
-    "lost with its node leaves its unanswered requests as worker_lost and the command exits with status 4; "
-    "--resume sends them",
-)
-@click.option(
-    "--executor",
-    type=click.Choice(list(LIVE_EXECUTORS)),
-    default="local",
-    show_default=True,
-    help="local: one client in this process (--workers 1 only); ray: each worker a Ray actor, its results merged "
-    "into this run",
-)
-@click.option(
-    "--ray-address",
-    default="",
-    help="with --executor ray: the cluster, 'auto' (the one `ray start` runs here) or ray://HOST:10001 "
-    "[default: start a local cluster for this run]",
-)
+@options.command_options(ReplayOptions)
 def replay(
     trace_path,
     backend,

@@ -3,10 +3,12 @@ take PNG screenshots of them (and of the pages of `kvbench compare --out`, `kvbe
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.cli.render import console
 from kvbench.errors import KvbenchError
 
@@ -36,25 +38,34 @@ def _page_of(folder: Path, screenshot: bool) -> Path | None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """The options of `report`."""
+
+    trace_path: str | None = options.option(
+        None,
+        "the trace the run replayed, for the sections that need block hashes and sessions (trace "
+        "characterisation, agent tasks) [default: the path recorded in summary.json, when it still exists]",
+        unit="path",
+        flag="--trace",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    )
+    screenshot: bool = options.option(
+        False,
+        "after rendering, write a full-page PNG of each page (1400 px wide) to DIR/screenshots/report.png "
+        "(compare.png, index.png for the folders of compare --out, sweep and demo, whose pages are pictured as "
+        "they are, not rewritten). A screenshot is derived from its page: an earlier one of the same page is "
+        "replaced. Needs Chromium (apt install chromium, or KVBENCH_CHROMIUM=/path/to/binary) and the Python "
+        "package playwright (pip install playwright); without them the reports are still written and the "
+        "command exits non-zero",
+        unit="on/off",
+        is_flag=True,
+    )
+
+
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option(
-    "--trace",
-    "trace_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="the trace the run replayed, for the sections that need block hashes and sessions (trace "
-    "characterisation, agent tasks) [default: the path recorded in summary.json, when it still exists]",
-)
-@click.option(
-    "--screenshot",
-    is_flag=True,
-    help="after rendering, write a full-page PNG of each page (1400 px wide) to DIR/screenshots/report.png "
-    "(compare.png, index.png for the folders of compare --out, sweep and demo, whose pages are pictured as "
-    "they are, not rewritten). A screenshot is derived from its page: an earlier one of the same page is "
-    "replaced. Needs Chromium (apt install chromium, or KVBENCH_CHROMIUM=/path/to/binary) and the Python "
-    "package playwright (pip install playwright); without them the reports are still written and the "
-    "command exits non-zero",
-)
+@options.command_options(ReportOptions)
 def report(runs, trace_path, screenshot):
     """Write report.md and the self-contained report.html of each run directory from its summary.json and
     requests.parquet (after an interrupted run, or with a newer kvbench). With --screenshot, the folders of

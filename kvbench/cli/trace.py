@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.cli import LazyGroup
 from kvbench.cli.render import console, info_markdown, print_info
 from kvbench.errors import KvbenchError
@@ -35,15 +36,29 @@ def trace() -> None:
 # --- gen: one subcommand per registered generator, options built from its parameter dataclass ----------
 
 
-def _param_option(field: dataclasses.Field) -> click.Option:
-    flag = "--" + field.name.replace("_", "-")
-    help = field.metadata.get("help", "")
-    if isinstance(field.default, bool):
-        return click.Option(
-            [f"{flag}/--no-{flag[2:]}", field.name], default=field.default, show_default=True, help=help
-        )
-    kind = {int: int, float: float}.get(type(field.default), str)
-    return click.Option([flag, field.name], type=kind, default=field.default, show_default=True, help=help)
+@dataclasses.dataclass(frozen=True)
+class GenOptions:
+    """The options every `kvbench trace gen KIND` takes before its generator's parameters."""
+
+    n: int = options.option(
+        1000, "number of requests to generate", unit="requests", flag=("-n", "--requests"), type=click.IntRange(min=1)
+    )
+    seed: int = options.option(
+        0, "random seed; same parameters and seed give an identical trace", unit="integer", type=int
+    )
+    block_size: int = options.option(
+        generators.DEFAULT_BLOCK_SIZE,
+        "tokens per hash block (the cache's block/page size)",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    out: str | None = options.option(
+        None,
+        "output Parquet file [default: KIND-nN-sSEED.parquet]",
+        unit="path",
+        flag=("-o", "--out"),
+        type=click.Path(dir_okay=False),
+    )
 
 
 def _gen_command(gen: generators.Generator) -> click.Command:
@@ -54,34 +69,7 @@ def _gen_command(gen: generators.Generator) -> click.Command:
             rows = gen.write(out, n, seed=seed, block_size=block_size, **params)
         click.echo(f"wrote {out} ({rows:,} requests, block size {block_size})")
 
-    options = [
-        click.Option(
-            ["-n", "--requests", "n"],
-            type=click.IntRange(min=1),
-            default=1000,
-            show_default=True,
-            help="number of requests to generate",
-        ),
-        click.Option(
-            ["--seed"],
-            type=int,
-            default=0,
-            show_default=True,
-            help="random seed; same parameters and seed give an identical trace",
-        ),
-        click.Option(
-            ["--block-size"],
-            type=click.IntRange(min=1),
-            default=generators.DEFAULT_BLOCK_SIZE,
-            show_default=True,
-            help="tokens per hash block (the cache's block/page size)",
-        ),
-        click.Option(
-            ["-o", "--out"],
-            type=click.Path(dir_okay=False),
-            help="output Parquet file [default: KIND-nN-sSEED.parquet]",
-        ),
-    ] + [_param_option(f) for f in dataclasses.fields(gen.params_type)]
+    params = options.cli_options(GenOptions) + options.cli_options(gen.params_type)
     if gen.stream is not None:
         memory = "Written window by window in bounded memory, for any -n (the same trace as in one piece)."
     else:
@@ -90,7 +78,7 @@ def _gen_command(gen: generators.Generator) -> click.Command:
             "a count that would not fit in the free memory is refused."
         )
     help = f"{gen.summary}\n\n{memory} The trace is validated as it is written."
-    return click.Command(gen.name, callback=run, params=options, help=help, short_help=gen.summary)
+    return click.Command(gen.name, callback=run, params=params, help=help, short_help=gen.summary)
 
 
 class _GenGroup(click.Group):
@@ -171,20 +159,35 @@ def import_() -> None:
     """Convert a public trace into a kvbench trace: `kvbench trace import FORMAT SRC -o OUT.parquet`."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """The options of `export`."""
+
+    fmt: str = options.option(
+        "mooncake",
+        "target format (mooncake JSONL is read by AIPerf, `vllm bench serve` and GuideLLM)",
+        unit="name",
+        flag="--format",
+        type=click.Choice(list(EXPORTERS)),
+    )
+    out: str | None = options.option(
+        None,
+        "output file [default: TRACE with .jsonl]",
+        unit="path",
+        flag=("-o", "--out"),
+        type=click.Path(dir_okay=False),
+    )
+    renumber: bool = options.option(
+        False,
+        "renumber block ids 0,1,2,… by first appearance (some replayers expect small ids)",
+        unit="on/off",
+        is_flag=True,
+    )
+
+
 @trace.command("export")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(list(EXPORTERS)),
-    default="mooncake",
-    show_default=True,
-    help="target format (mooncake JSONL is read by AIPerf, `vllm bench serve` and GuideLLM)",
-)
-@click.option("-o", "--out", type=click.Path(dir_okay=False), help="output file [default: TRACE with .jsonl]")
-@click.option(
-    "--renumber", is_flag=True, help="renumber block ids 0,1,2,… by first appearance (some replayers expect small ids)"
-)
+@options.command_options(ExportOptions)
 def export(trace_path, fmt, out, renumber):
     """Write a kvbench trace in another tool's format."""
     table, meta = read_valid_trace(trace_path)
@@ -193,22 +196,31 @@ def export(trace_path, fmt, out, renumber):
     click.echo(f"wrote {out} ({table.num_rows:,} requests, {fmt}, block size {meta.block_size})")
 
 
+@dataclasses.dataclass(frozen=True)
+class RebaseOptions:
+    """The options of `rebase`."""
+
+    block_size: int | None = options.option(
+        None,
+        "the engine's KV block size in tokens (vLLM's --block-size, e.g. 16 or 32); any size, it need not "
+        "divide the trace's",
+        unit="tokens",
+        type=click.IntRange(min=1),
+        required=True,
+    )
+    out: str | None = options.option(
+        None,
+        "output trace (.parquet): TRACE's rows with block_hashes at --block-size tokens a block",
+        unit="path",
+        flag=("-o", "--out"),
+        type=click.Path(dir_okay=False),
+        required=True,
+    )
+
+
 @trace.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "--block-size",
-    type=click.IntRange(min=1),
-    required=True,
-    help="the engine's KV block size in tokens (vLLM's --block-size, e.g. 16 or 32); any size, it need not "
-    "divide the trace's",
-)
-@click.option(
-    "-o",
-    "--out",
-    type=click.Path(dir_okay=False),
-    required=True,
-    help="output trace (.parquet): TRACE's rows with block_hashes at --block-size tokens a block",
-)
+@options.command_options(RebaseOptions)
 def rebase(trace_path, block_size, out):
     """Re-cut TRACE's block ids at an engine's block size, so that the simulator predicts what that engine
     can hit.
@@ -236,17 +248,34 @@ def rebase(trace_path, block_size, out):
 # --- info / validate ---------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class InfoOptions:
+    """The options of `info`."""
+
+    as_json: bool = options.option(
+        False,
+        "print the statistics as JSON (stable keys)",
+        unit="on/off",
+        flag="--json",
+        is_flag=True,
+    )
+    warmup: float = options.option(
+        DEFAULT_WARMUP,
+        "fraction of requests (by arrival) excluded from the steady-state hit rate",
+        unit="fraction",
+        type=click.FloatRange(0, 1, max_open=True),
+    )
+    markdown: str | None = options.option(
+        None,
+        "also write the statistics as a Markdown report",
+        unit="path",
+        type=click.Path(dir_okay=False),
+    )
+
+
 @trace.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON (stable keys)")
-@click.option(
-    "--warmup",
-    type=click.FloatRange(0, 1, max_open=True),
-    default=DEFAULT_WARMUP,
-    show_default=True,
-    help="fraction of requests (by arrival) excluded from the steady-state hit rate",
-)
-@click.option("--markdown", type=click.Path(dir_okay=False), help="also write the statistics as a Markdown report")
+@options.command_options(InfoOptions)
 def info(trace_path, as_json, warmup, markdown):
     """Counts, duration, rates, length percentiles, per-workload/tenant breakdowns, unique blocks and the
     infinite-cache prefix hit rate (all requests and steady state)."""
@@ -265,9 +294,16 @@ def info(trace_path, as_json, warmup, markdown):
             click.echo(f"report written to {markdown}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ValidateOptions:
+    """The options of `validate`."""
+
+    as_json: bool = options.option(False, "print every violation as JSON", unit="on/off", flag="--json", is_flag=True)
+
+
 @trace.command()
 @click.argument("paths", metavar="TRACE…", nargs=-1, required=True, type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="print every violation as JSON")
+@options.command_options(ValidateOptions)
 def validate(paths, as_json):
     """Check traces against schema v1; lists every violation by column and row. Gives a verdict for every
     TRACE, readable or not; exits 1 if any is invalid, 2 if any cannot be read."""

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.cli.render import console
 from kvbench.errors import KvbenchError
 from kvbench.trace.anonymize import ANON_KEY_ENV, anon_key, anonymize
@@ -15,32 +17,39 @@ from kvbench.trace.schema import conform
 from kvbench.trace.validation import check, read_valid_trace
 
 
+@dataclasses.dataclass(frozen=True)
+class AnonymizeCommandOptions:
+    """The options of `anonymize_command`."""
+
+    out: str | None = options.option(
+        None,
+        "output trace (.parquet); an existing file is refused unless --force",
+        unit="path",
+        flag=("-o", "--out"),
+        type=click.Path(dir_okay=False),
+        required=True,
+    )
+    key_env: str = options.option(
+        ANON_KEY_ENV,
+        "environment variable holding the secret (any text) that ids and names are hashed with; never stored. "
+        "The same secret gives the same pseudonyms across traces, a different one shares nothing",
+        unit="name",
+        metavar="NAME",
+    )
+    round_s: float | None = options.option(
+        None,
+        "round arrival times to the nearest multiple of SECONDS (e.g. 1 or 60): hides exact timing; changes "
+        "the pacing of a timed replay, not the hits of an offline one [default: keep exact times]",
+        unit="s",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+    )
+    force: bool = options.option(False, "overwrite OUT if it exists", unit="on/off", is_flag=True)
+
+
 @click.command("anonymize")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "-o",
-    "--out",
-    type=click.Path(dir_okay=False),
-    required=True,
-    help="output trace (.parquet); an existing file is refused unless --force",
-)
-@click.option(
-    "--key-env",
-    default=ANON_KEY_ENV,
-    show_default=True,
-    metavar="NAME",
-    help="environment variable holding the secret (any text) that ids and names are hashed with; never stored. "
-    "The same secret gives the same pseudonyms across traces, a different one shares nothing",
-)
-@click.option(
-    "--round-s",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="SECONDS",
-    help="round arrival times to the nearest multiple of SECONDS (e.g. 1 or 60): hides exact timing; changes "
-    "the pacing of a timed replay, not the hits of an offline one [default: keep exact times]",
-)
-@click.option("--force", is_flag=True, help="overwrite OUT if it exists")
+@options.command_options(AnonymizeCommandOptions)
 def anonymize_command(trace_path, out, key_env, round_s, force):
     """Write TRACE with every identifier replaced, fit to publish.
 

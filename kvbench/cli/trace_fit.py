@@ -3,12 +3,14 @@ parameters as JSON and a report of how close the twin is (docs/semantics.md, Fit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.errors import KvbenchError
 
 
@@ -16,38 +18,53 @@ def _say(message: str) -> None:
     click.echo(message, err=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class TraceFitOptions:
+    """The options of `trace_fit`."""
+
+    out: str | None = options.option(
+        None,
+        "the twin trace to write (.parquet)",
+        unit="path",
+        flag=("-o", "--out"),
+        type=click.Path(dir_okay=False),
+        required=True,
+    )
+    scale: float = options.option(
+        1.0,
+        "K: K copies of TRACE's users (K times the units and the arrival rate over the same duration; a fraction "
+        "of a copy for a fractional K), each copy with its own block ids and each user behaving as in TRACE (same "
+        "turns, same offsets in seconds)",
+        unit="unitless",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    seed: int = options.option(0, "random seed: the same seed gives the same twin", unit="integer", type=int)
+    params_path: str | None = options.option(
+        None,
+        "where to write the fitted parameters (JSON) [default: OUT with .params.json]",
+        unit="path",
+        flag="--params",
+        type=click.Path(dir_okay=False),
+    )
+    report_dir: str | None = options.option(
+        None,
+        "folder for report.md and report.html overlaying TRACE and the twin [default: OUT with .report]",
+        unit="path",
+        flag="--report",
+        type=click.Path(file_okay=False),
+    )
+    fidelity: bool = options.option(
+        True,
+        "measure the twin against TRACE: infinite-cache and radix-lru token hit rates at 8 capacities (blocks, "
+        "1%–100% of TRACE's distinct blocks; K times each for a K-times twin); written into the parameters JSON",
+        unit="on/off",
+        flag="--fidelity/--no-fidelity",
+    )
+
+
 @click.command("fit")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the twin trace to write (.parquet)")
-@click.option(
-    "--scale",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="K: K copies of TRACE's users (K times the units and the arrival rate over the same duration; a fraction "
-    "of a copy for a fractional K), each copy with its own block ids and each user behaving as in TRACE (same "
-    "turns, same offsets in seconds)",
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="random seed: the same seed gives the same twin")
-@click.option(
-    "--params",
-    "params_path",
-    type=click.Path(dir_okay=False),
-    help="where to write the fitted parameters (JSON) [default: OUT with .params.json]",
-)
-@click.option(
-    "--report",
-    "report_dir",
-    type=click.Path(file_okay=False),
-    help="folder for report.md and report.html overlaying TRACE and the twin [default: OUT with .report]",
-)
-@click.option(
-    "--fidelity/--no-fidelity",
-    default=True,
-    show_default=True,
-    help="measure the twin against TRACE: infinite-cache and radix-lru token hit rates at 8 capacities (blocks, "
-    "1%–100% of TRACE's distinct blocks; K times each for a K-times twin); written into the parameters JSON",
-)
+@options.command_options(TraceFitOptions)
 def trace_fit(trace_path, out, scale, seed, params_path, report_dir, fidelity):
     """Fit a synthetic twin to TRACE (block ids and timings only, no text) and write it to OUT.
 

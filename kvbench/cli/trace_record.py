@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import click
 
+from kvbench import options
 from kvbench.errors import KvbenchError
 from kvbench.redact import redact_url
 from kvbench.trace.keyed import KEY_ENV, hash_key
@@ -33,46 +35,103 @@ async def serve(recorder, host: str, port: int, say=click.echo) -> None:
         await runner.cleanup()  # runs the app's cleanup: pending rows recorded and committed
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordOptions:
+    """The options of `record`."""
+
+    upstream: str | None = options.option(
+        None,
+        "the OpenAI-compatible server to forward to, e.g. http://localhost:8000 (a trailing /v1 is dropped)",
+        unit="URL",
+        metavar="URL",
+    )
+    out: str | None = options.option(
+        None,
+        "the trace to write (Parquet)",
+        unit="path",
+        flag=("--out", "-o"),
+        type=click.Path(dir_okay=False),
+        required=True,
+    )
+    host: str = options.option("127.0.0.1", "address to listen on (0.0.0.0: every interface)", unit="address")
+    port: int = options.option(8080, "TCP port to listen on", unit="TCP port", type=click.IntRange(1, 65535))
+    block_size: int = options.option(
+        16,
+        "tokens per hashed block (the engine's KV block size)",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    tokenizer: str | None = options.option(
+        None,
+        "a local tokenizer.json; without it the upstream's /tokenize is asked (vLLM, SGLang)",
+        unit="path",
+        type=click.Path(exists=True, dir_okay=False),
+    )
+    session_header: str | None = options.option(
+        None,
+        "request header that holds the session id, e.g. X-Session-Id",
+        unit="name",
+        metavar="HEADER",
+    )
+    session_field: str | None = options.option(
+        None,
+        "top-level request body field that holds the session id",
+        unit="name",
+        metavar="FIELD",
+    )
+    user_header: str | None = options.option(
+        None,
+        "request header that holds the user id",
+        unit="name",
+        metavar="HEADER",
+    )
+    user_field: str = options.option("user", "body field of the user id", unit="name", metavar="FIELD")
+    tenant_header: str | None = options.option(
+        None,
+        "request header that holds the tenant",
+        unit="name",
+        metavar="HEADER",
+    )
+    tenant_field: str | None = options.option(
+        None,
+        "top-level request body field that holds the tenant",
+        unit="name",
+        metavar="FIELD",
+    )
+    priority_header: str | None = options.option(
+        None,
+        "request header with the priority (an integer 0-100)",
+        unit="name",
+        metavar="HEADER",
+    )
+    priority_field: str | None = options.option(
+        None,
+        "body field with the priority (an integer 0-100)",
+        unit="name",
+        metavar="FIELD",
+    )
+    base_model: str | None = options.option(
+        None,
+        "the served base model: any other model name is recorded as lora",
+        unit="name",
+        metavar="NAME",
+    )
+    commit_every: float = options.option(
+        1.0,
+        "seconds between commits of recorded rows to disk (a killed proxy loses at most this much)",
+        unit="s",
+        type=click.FloatRange(min=0.01),
+    )
+    finish: bool = options.option(
+        False,
+        "write the trace of a recording that was killed, from OUT.parts/, and exit",
+        unit="on/off",
+        is_flag=True,
+    )
+
+
 @click.command("record")
-@click.option(
-    "--upstream",
-    metavar="URL",
-    help="the OpenAI-compatible server to forward to, e.g. http://localhost:8000 (a trailing /v1 is dropped)",
-)
-@click.option("--out", "-o", "out", required=True, type=click.Path(dir_okay=False), help="the trace to write (Parquet)")
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every interface)")
-@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="TCP port to listen on")
-@click.option(
-    "--block-size",
-    type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="tokens per hashed block (the engine's KV block size)",
-)
-@click.option(
-    "--tokenizer",
-    type=click.Path(exists=True, dir_okay=False),
-    help="a local tokenizer.json; without it the upstream's /tokenize is asked (vLLM, SGLang)",
-)
-@click.option("--session-header", metavar="HEADER", help="request header that holds the session id, e.g. X-Session-Id")
-@click.option("--session-field", metavar="FIELD", help="top-level request body field that holds the session id")
-@click.option("--user-header", metavar="HEADER", help="request header that holds the user id")
-@click.option("--user-field", metavar="FIELD", default="user", show_default=True, help="body field of the user id")
-@click.option("--tenant-header", metavar="HEADER", help="request header that holds the tenant")
-@click.option("--tenant-field", metavar="FIELD", help="top-level request body field that holds the tenant")
-@click.option("--priority-header", metavar="HEADER", help="request header with the priority (an integer 0-100)")
-@click.option("--priority-field", metavar="FIELD", help="body field with the priority (an integer 0-100)")
-@click.option("--base-model", metavar="NAME", help="the served base model: any other model name is recorded as lora")
-@click.option(
-    "--commit-every",
-    type=click.FloatRange(min=0.01),
-    default=1.0,
-    show_default=True,
-    help="seconds between commits of recorded rows to disk (a killed proxy loses at most this much)",
-)
-@click.option(
-    "--finish", is_flag=True, help="write the trace of a recording that was killed, from OUT.parts/, and exit"
-)
+@options.command_options(RecordOptions)
 def record(upstream, out, host, port, block_size, tokenizer, commit_every, finish, **labels) -> None:
     """Record live traffic as a trace: a reverse proxy forwards every request to --upstream unchanged (streams
     pass through as they come) and writes one row per /v1/completions or /v1/chat/completions request:

@@ -11,21 +11,18 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 
 from kvbench.errors import KvbenchError
-from kvbench.options import tagged
 from kvbench.trace.context import FIT_MODES, fit_to_context
 from kvbench.trace.schema import cap_outputs
 
-MAX_OUTPUT_HELP = tagged(
+MAX_OUTPUT_HELP = (  # in tokens: replay's option states it
     "cap each request's output tokens at N (its max_tokens), for every backend alike: a prediction given the same "
     "cap as the live run it is compared with sees the outputs that run asked for (a llama.cpp slot keeps the "
-    "tokens it generated) [default: the trace's output_tokens]",
-    "tokens",
+    "tokens it generated) [default: the trace's output_tokens]"
 )
-CONTEXT_HELP = tagged(
+CONTEXT_HELP = (  # in tokens: replay's option states it
     "the engine's context: a request fits when its prompt plus its output tokens are within it [default: live: "
     "what the engine publishes (vLLM's max_model_len on /v1/models, llama.cpp's per-slot n_ctx on /slots); "
-    "offline: no limit]",
-    "tokens",
+    "offline: no limit]"
 )
 FIT_HELP = (
     "what to do, before anything is sent, with requests that do not fit the context: refuse (exit 2, naming how "

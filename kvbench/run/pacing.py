@@ -23,88 +23,64 @@ import click
 import numpy as np
 import pyarrow as pa
 
-from kvbench.options import with_units
+from kvbench.options import cli_options, option
 
 MODES = ("trace", "rate", "sessions")
 
 
-# the unit of each pacing option, added to its --help
-UNITS = {
-    "mode": "name",
-    "time_scale": "unitless factor",
-    "rate": "requests/s",
-    "burstiness": "unitless gamma shape",
-    "max_concurrency": "requests",
-    "duration_s": "s",
-    "max_requests": "requests",
-    "warmup_requests": "requests",
-    "seed": "unitless",
-}
-
-
 @dataclass
 class Pacing:
-    mode: str = "trace"
-    time_scale: float = 1.0
-    rate: float | None = None  # requests/s, mode "rate"
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-    duration_s: float | None = None
-    max_requests: int | None = None
-    warmup_requests: int = 0
-    seed: int = 0
+    """How a live run sends its requests; the fields are `kvbench replay`'s pacing options (kvbench.options)."""
+
+    mode: str = option(
+        "trace",
+        "trace: open loop on trace timestamps; rate: open loop at --rate; sessions: closed loop, next turn "
+        "think_time_s after the previous one (and its depends_on) finished",
+        unit="name",
+        type=click.Choice(MODES),
+    )
+    time_scale: float = option(
+        1.0,
+        "multiply trace times by this (2 = half the request rate)",
+        unit="unitless factor",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    rate: float | None = option(
+        None, "requests/s for --mode rate", unit="requests/s", type=click.FloatRange(min=0, min_open=True)
+    )
+    burstiness: float = option(
+        1.0,
+        "gamma shape of the gaps in --mode rate: 1 = Poisson, <1 burstier",
+        unit="unitless gamma shape",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    max_concurrency: int | None = option(
+        None,
+        "most requests in flight at once (others wait; the wait counts as schedule lag)",
+        unit="requests",
+        type=click.IntRange(min=1),
+    )
+    duration_s: float | None = option(
+        None,
+        "stop sending new requests after this many seconds",
+        unit="s",
+        flag="--duration",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    max_requests: int | None = option(
+        None, "send at most this many requests", unit="requests", type=click.IntRange(min=1)
+    )
+    warmup_requests: int = option(
+        0,
+        "the first N requests sent are run but left out of latency metrics",
+        unit="requests",
+        type=click.IntRange(min=0),
+    )
+    seed: int = option(0, "seed of the --mode rate gaps", unit="unitless", type=int)
 
     @classmethod
     def cli_options(cls) -> list[click.Option]:
-        return with_units(
-            [
-                click.Option(
-                    ["--mode"],
-                    type=click.Choice(MODES),
-                    default="trace",
-                    show_default=True,
-                    help="trace: open loop on trace timestamps; rate: open loop at --rate; sessions: closed "
-                    "loop, next turn think_time_s after the previous one (and its depends_on) finished",
-                ),
-                click.Option(
-                    ["--time-scale"],
-                    type=click.FloatRange(min=0, min_open=True),
-                    default=1.0,
-                    show_default=True,
-                    help="multiply trace times by this (2 = half the request rate)",
-                ),
-                click.Option(
-                    ["--rate"], type=click.FloatRange(min=0, min_open=True), help="requests/s for --mode rate"
-                ),
-                click.Option(
-                    ["--burstiness"],
-                    type=click.FloatRange(min=0, min_open=True),
-                    default=1.0,
-                    show_default=True,
-                    help="gamma shape of the gaps in --mode rate: 1 = Poisson, <1 burstier",
-                ),
-                click.Option(
-                    ["--max-concurrency"],
-                    type=click.IntRange(min=1),
-                    help="most requests in flight at once (others wait; the wait counts as schedule lag)",
-                ),
-                click.Option(
-                    ["--duration", "duration_s"],
-                    type=click.FloatRange(min=0, min_open=True),
-                    help="stop sending new requests after this many seconds",
-                ),
-                click.Option(["--max-requests"], type=click.IntRange(min=1), help="send at most this many requests"),
-                click.Option(
-                    ["--warmup-requests"],
-                    type=click.IntRange(min=0),
-                    default=0,
-                    show_default=True,
-                    help="the first N requests sent are run but left out of latency metrics",
-                ),
-                click.Option(["--seed"], type=int, default=0, show_default=True, help="seed of the --mode rate gaps"),
-            ],
-            UNITS,
-        )
+        return cli_options(cls)
 
     def __post_init__(self):
         if self.mode == "rate" and not self.rate:

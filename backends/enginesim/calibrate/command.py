@@ -4,6 +4,7 @@ FILE`), or fail with what to do when the terms fit the measurements poorly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -12,8 +13,8 @@ import sys
 import click
 from kvbench.backends.enginesim import calibrate as C
 
+from kvbench import options
 from kvbench.cli.render import console, stdout
-from kvbench.options import served_model_option
 
 
 def _offsets_ms(ctx, param, value):
@@ -60,171 +61,167 @@ def _csv(default) -> str:
     return ",".join(str(x) for x in default)
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibrateOptions:
+    """The options of `calibrate`."""
+
+    url: str | None = options.option(
+        None,
+        "server base URL (scheme://host:port), e.g. http://127.0.0.1:8011 (env KVBENCH_URL; `kvbench engine "
+        "status` lists local engines); the file records host:port only",
+        unit="URL",
+        envvar="KVBENCH_URL",
+        required=True,
+    )
+    model: str | None = options.served_model("the served model name to request [default: the first of GET /v1/models]")
+    endpoint: str = options.option(
+        "completions",
+        "completions: token-id prompts (exact lengths on any model); chat: text of one-token words (exact only "
+        "with kvbench's tiny word-level model)",
+        unit="name",
+        type=click.Choice(["completions", "chat"]),
+    )
+    api_key_env: str = options.option(
+        "OPENAI_API_KEY",
+        "name of the environment variable that holds the API key (its value is sent, never written to the file)",
+        unit="name",
+    )
+    out: str | None = options.option(
+        None,
+        "path of the calibration file to write (TOML: [calibration] for engine-sim, [measurements] with every "
+        "point and the fit); written whole or not at all. An existing file is refused unless --overwrite",
+        unit="path",
+        flag=("-o", "--out"),
+        type=click.Path(dir_okay=False, writable=True),
+        required=True,
+    )
+    overwrite: bool = options.option(False, "replace the file --out names if it exists", unit="on/off", is_flag=True)
+    repeats: int = options.option(
+        C.DEFAULT_REPEATS,
+        "times (count) each point is measured, each time in a new random order; the median is fitted (more: "
+        "steadier on a busy machine, slower)",
+        unit="count",
+        type=click.IntRange(min=1),
+    )
+    max_num_batched_tokens: int | None = options.option(
+        None,
+        "the server's step budget in tokens: a longer prefill runs as chunks of this many tokens, one step each, "
+        "and is modeled so; recorded in the file [default: llama-server's n_batch (-b, 2048 unless its recorded "
+        "arguments say otherwise); otherwise vLLM's CPU default 2048 (--max-num-batched-tokens; GPU: 8192)]",
+        unit="tokens",
+        type=click.IntRange(min=1),
+    )
+    min_r2: float = options.option(
+        C.DEFAULT_MIN_R2,
+        "least R² (coefficient of determination, a unitless fraction ≤ 1) the fit must reach on the prefill points "
+        "and on the decode points; below it no file is written (unless --force)",
+        unit="unitless",
+        type=click.FloatRange(max=1.0),
+    )
+    max_median_error: float = options.option(
+        C.DEFAULT_MAX_MEDIAN_ERROR,
+        "largest median |modeled − measured| / measured (a fraction: 0.15 = 15 %) of the prefill points and of "
+        "the decode points; above it no file is written (unless --force)",
+        unit="fraction",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    force: bool = options.option(
+        False,
+        "write the file even when the fit is poor; it then records forced = true and the warning",
+        unit="on/off",
+        is_flag=True,
+    )
+    max_prompt_tokens: int = options.option(
+        C.DEFAULT_MAX_PROMPT,
+        "longest prompt sent, in tokens; also capped below the server's context length (GET /v1/models "
+        "max_model_len) less --decode-tokens",
+        unit="tokens",
+        type=click.IntRange(min=16),
+    )
+    prompt_lengths: str = options.option(
+        _csv(C.DEFAULT_PROMPT_LENGTHS),
+        "prefill: prompt lengths in tokens (comma-separated, 2k = 2048) of the single-request TTFT points",
+        unit="tokens",
+        callback=_lengths,
+    )
+    context_lengths: str = options.option(
+        _csv(C.DEFAULT_CONTEXT_LENGTHS),
+        "prefill after a cached context: context lengths in tokens (each is sent once to be cached, then again "
+        "with --context-new-tokens more); needs the server's prefix cache",
+        unit="tokens",
+        callback=_lengths,
+    )
+    context_new_tokens: str = options.option(
+        _csv(C.DEFAULT_CONTEXT_NEW),
+        "new tokens after each cached context, in tokens",
+        unit="tokens",
+        callback=_lengths,
+    )
+    batch_sizes: str = options.option(
+        _csv(C.DEFAULT_BATCH_SIZES),
+        "decode: concurrent requests per point, in sequences (comma-separated; at most the server's max_num_seqs)",
+        unit="sequences",
+        callback=_lengths,
+    )
+    decode_contexts: str = options.option(
+        _csv(C.DEFAULT_DECODE_CONTEXTS),
+        "decode: prompt length of each concurrent request, in tokens (comma-separated)",
+        unit="tokens",
+        callback=_lengths,
+    )
+    decode_tokens: int = options.option(
+        C.DEFAULT_DECODE_TOKENS,
+        "decode: output tokens per request, counted from when the whole batch runs (more are asked for to cover "
+        "the batch's own prefills), in tokens",
+        unit="tokens",
+        type=click.IntRange(min=C.MIN_WINDOW_STEPS * 2),
+    )
+    join_offsets: str = options.option(
+        ",".join(f"{x * 1e3:g}" for x in C.DEFAULT_JOIN_OFFSETS),
+        "join window: the delays, in milliseconds (comma-separated, 0 = sent together; 'none' measures no "
+        "window), at which a second request follows a first to the idle server; a pair whose first tokens come "
+        "together was prefilled in one step. The window is where most pairs stop joining",
+        unit="ms",
+        callback=_offsets_ms,
+    )
+    join_tokens: int = options.option(
+        C.DEFAULT_JOIN_TOKENS,
+        "join window: each prompt of a pair, in tokens (long enough that a second prefill is clearly slower)",
+        unit="tokens",
+        type=click.IntRange(min=16),
+    )
+    vocab: int = options.option(
+        C.DEFAULT_VOCAB,
+        "random token ids are drawn below this, in token ids (at most the model's vocabulary size)",
+        unit="token ids",
+        type=click.IntRange(min=64),
+    )
+    timeout_s: float = options.option(
+        300.0,
+        "seconds one measuring request may take before calibration stops with an error",
+        unit="s",
+        flag="--timeout",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    seed: int | None = options.option(
+        None,
+        "seed (an integer) of the random prompts and of the points' order [default: a fresh one each run, recorded "
+        "in the file; a seed an earlier run used repeats its prompts, which the server may then serve from its prefix "
+        "cache]",
+        unit="integer",
+        type=int,
+    )
+    as_json: bool = options.option(
+        False,
+        "also print the calibration (seconds) and the fit's figures as JSON on stdout",
+        unit="on/off",
+        flag="--json",
+        is_flag=True,
+    )
+
+
 @click.command()
-@click.option(
-    "--url",
-    envvar="KVBENCH_URL",
-    required=True,
-    help="server base URL (scheme://host:port), e.g. http://127.0.0.1:8011 (env KVBENCH_URL; `kvbench engine "
-    "status` lists local engines); the file records host:port only",
-)
-@served_model_option(help="the served model name to request [default: the first of GET /v1/models]")
-@click.option(
-    "--endpoint",
-    type=click.Choice(["completions", "chat"]),
-    default="completions",
-    show_default=True,
-    help="completions: token-id prompts (exact lengths on any model); chat: text of one-token words (exact only "
-    "with kvbench's tiny word-level model)",
-)
-@click.option(
-    "--api-key-env",
-    default="OPENAI_API_KEY",
-    show_default=True,
-    help="name of the environment variable that holds the API key (its value is sent, never written to the file)",
-)
-@click.option(
-    "-o",
-    "--out",
-    type=click.Path(dir_okay=False, writable=True),
-    required=True,
-    help="path of the calibration file to write (TOML: [calibration] for engine-sim, [measurements] with every "
-    "point and the fit); written whole or not at all. An existing file is refused unless --overwrite",
-)
-@click.option("--overwrite", is_flag=True, help="replace the file --out names if it exists")
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=C.DEFAULT_REPEATS,
-    show_default=True,
-    help="times (count) each point is measured, each time in a new random order; the median is fitted (more: "
-    "steadier on a busy machine, slower)",
-)
-@click.option(
-    "--max-num-batched-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="the server's step budget in tokens: a longer prefill runs as chunks of this many tokens, one step each, "
-    "and is modeled so; recorded in the file [default: llama-server's n_batch (-b, 2048 unless its recorded "
-    "arguments say otherwise); otherwise vLLM's CPU default 2048 (--max-num-batched-tokens; GPU: 8192)]",
-)
-@click.option(
-    "--min-r2",
-    type=click.FloatRange(max=1.0),
-    default=C.DEFAULT_MIN_R2,
-    show_default=True,
-    help="least R² (coefficient of determination, a unitless fraction ≤ 1) the fit must reach on the prefill points "
-    "and on the decode points; below it no file is written (unless --force)",
-)
-@click.option(
-    "--max-median-error",
-    type=click.FloatRange(min=0, min_open=True),
-    default=C.DEFAULT_MAX_MEDIAN_ERROR,
-    show_default=True,
-    help="largest median |modeled − measured| / measured (a fraction: 0.15 = 15 %) of the prefill points and of "
-    "the decode points; above it no file is written (unless --force)",
-)
-@click.option(
-    "--force",
-    is_flag=True,
-    help="write the file even when the fit is poor; it then records forced = true and the warning",
-)
-@click.option(
-    "--max-prompt-tokens",
-    type=click.IntRange(min=16),
-    default=C.DEFAULT_MAX_PROMPT,
-    show_default=True,
-    help="longest prompt sent, in tokens; also capped below the server's context length (GET /v1/models "
-    "max_model_len) less --decode-tokens",
-)
-@click.option(
-    "--prompt-lengths",
-    callback=_lengths,
-    default=_csv(C.DEFAULT_PROMPT_LENGTHS),
-    show_default=True,
-    help="prefill: prompt lengths in tokens (comma-separated, 2k = 2048) of the single-request TTFT points",
-)
-@click.option(
-    "--context-lengths",
-    callback=_lengths,
-    default=_csv(C.DEFAULT_CONTEXT_LENGTHS),
-    show_default=True,
-    help="prefill after a cached context: context lengths in tokens (each is sent once to be cached, then again "
-    "with --context-new-tokens more); needs the server's prefix cache",
-)
-@click.option(
-    "--context-new-tokens",
-    callback=_lengths,
-    default=_csv(C.DEFAULT_CONTEXT_NEW),
-    show_default=True,
-    help="new tokens after each cached context, in tokens",
-)
-@click.option(
-    "--batch-sizes",
-    callback=_lengths,
-    default=_csv(C.DEFAULT_BATCH_SIZES),
-    show_default=True,
-    help="decode: concurrent requests per point, in sequences (comma-separated; at most the server's max_num_seqs)",
-)
-@click.option(
-    "--decode-contexts",
-    callback=_lengths,
-    default=_csv(C.DEFAULT_DECODE_CONTEXTS),
-    show_default=True,
-    help="decode: prompt length of each concurrent request, in tokens (comma-separated)",
-)
-@click.option(
-    "--decode-tokens",
-    type=click.IntRange(min=C.MIN_WINDOW_STEPS * 2),
-    default=C.DEFAULT_DECODE_TOKENS,
-    show_default=True,
-    help="decode: output tokens per request, counted from when the whole batch runs (more are asked for to cover "
-    "the batch's own prefills), in tokens",
-)
-@click.option(
-    "--join-offsets",
-    callback=_offsets_ms,
-    default=",".join(f"{x * 1e3:g}" for x in C.DEFAULT_JOIN_OFFSETS),
-    show_default=True,
-    help="join window: the delays, in milliseconds (comma-separated, 0 = sent together; 'none' measures no "
-    "window), at which a second request follows a first to the idle server; a pair whose first tokens come "
-    "together was prefilled in one step. The window is where most pairs stop joining",
-)
-@click.option(
-    "--join-tokens",
-    type=click.IntRange(min=16),
-    default=C.DEFAULT_JOIN_TOKENS,
-    show_default=True,
-    help="join window: each prompt of a pair, in tokens (long enough that a second prefill is clearly slower)",
-)
-@click.option(
-    "--vocab",
-    type=click.IntRange(min=64),
-    default=C.DEFAULT_VOCAB,
-    show_default=True,
-    help="random token ids are drawn below this, in token ids (at most the model's vocabulary size)",
-)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(min=0, min_open=True),
-    default=300.0,
-    show_default=True,
-    help="seconds one measuring request may take before calibration stops with an error",
-)
-@click.option(
-    "--seed",
-    type=int,
-    help="seed (an integer) of the random prompts and of the points' order [default: a fresh one each run, recorded "
-    "in the file; a seed an earlier run used repeats its prompts, which the server may then serve from its prefix "
-    "cache]",
-)
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="also print the calibration (seconds) and the fit's figures as JSON on stdout",
-)
+@options.command_options(CalibrateOptions)
 def calibrate(
     url,
     model,

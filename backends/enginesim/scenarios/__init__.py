@@ -10,7 +10,6 @@ from typing import ClassVar
 import click
 import pyarrow as pa
 
-from kvbench.options import with_units
 from kvbench.registry import Registry
 
 
@@ -87,7 +86,6 @@ _REGISTRY: Registry[type[Scenario]] = Registry(__name__, "scenario")
 
 
 def scenario(cls: type[Scenario]) -> type[Scenario]:
-    with_units(cls.options, cls.units)
     _REGISTRY.add(cls.name, cls)
     return cls
 

@@ -11,11 +11,14 @@ With `--task-retention` it is "keep a task's KV until its last call, and finish 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 import numpy as np
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
+from kvbench.options import cli_options, option
 
 # the waiting-queue orders of --task-order: name -> what goes first (its measure, smallest first)
 TASK_ORDERS = {
@@ -29,30 +32,30 @@ TASK_ORDERS = {
 }
 
 
+@dataclass(frozen=True)
+class AgentTasksOptions:
+    """The engine-sim options of the AgentTasks scenario."""
+
+    task_retention: bool = option(
+        False,
+        "keep a finished call's KV held until the next call of its task starts (needs --closed-loop)",
+        unit="on/off",
+        is_flag=True,
+    )
+    task_order: str = option(
+        "fcfs",
+        "order of each instance's waiting queue: "
+        + "; ".join(f"{k}: {v}" for k, v in TASK_ORDERS.items())
+        + "; ties go to the call that arrived first (needs --closed-loop)",
+        unit="name",
+        type=click.Choice(list(TASK_ORDERS)),
+    )
+
+
 @scenario
 class AgentTasks(Scenario):
     name = "agent-tasks"
-    units = {  # of its options, shown in --help
-        "task_retention": "on/off",
-        "task_order": "name",
-    }
-    options = [
-        click.Option(
-            ["--task-retention"],
-            is_flag=True,
-            default=False,
-            help="keep a finished call's KV held until the next call of its task starts (needs --closed-loop)",
-        ),
-        click.Option(
-            ["--task-order"],
-            type=click.Choice(list(TASK_ORDERS)),
-            default="fcfs",
-            show_default=True,
-            help="order of each instance's waiting queue: "
-            + "; ".join(f"{k}: {v}" for k, v in TASK_ORDERS.items())
-            + "; ties go to the call that arrived first (needs --closed-loop)",
-        ),
-    ]
+    options = cli_options(AgentTasksOptions)
 
     def __init__(self, retention: bool, order: str = "fcfs"):
         self.retention, self.order = retention, order

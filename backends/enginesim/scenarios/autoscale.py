@@ -20,92 +20,84 @@ time apart), in dollars with `--instance-hour-usd`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 import numpy as np
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
+from kvbench.options import cli_options, option
 
 ACTIVE, WARM, COLD = "active", "warm", "cold"  # how an instance starts the run
+
+
+@dataclass(frozen=True)
+class AutoscaleOptions:
+    """The engine-sim options of the Autoscale scenario."""
+
+    autoscale: int | None = option(
+        None,
+        "instances active at the start; more start under load, up to --instances",
+        unit="instances",
+        type=click.IntRange(min=1),
+    )
+    instance_start_s: float = option(
+        10.0,
+        "seconds from the decision to scale up until the new instance's runtime is up and loads weights",
+        unit="s",
+        type=click.FloatRange(min=0),
+    )
+    weight_load_gbps: float = option(
+        2.0,
+        "storage → HBM bandwidth for the model's weights (network storage 1-3, local NVMe 5-7, host DRAM 20+)",
+        unit="GB/s, 1e9 bytes/s",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    cold_start_s: float | None = option(
+        None,
+        "the whole cold start as one constant, instead of --instance-start-s plus the weights' load time",
+        unit="s",
+        type=click.FloatRange(min=0),
+    )
+    lazy_weights: bool = option(
+        False,
+        "load weights layer by layer: a new instance takes requests once its runtime is up, and computes "
+        "each layer as it arrives",
+        unit="on/off",
+        is_flag=True,
+    )
+    prewarmed: int = option(
+        0,
+        "instances kept loaded and idle beside the active ones (billed while idle); a scale-up takes one "
+        "at once and starts a cold one in its place",
+        unit="instances",
+        type=click.IntRange(min=0),
+    )
+    instance_hour_usd: float | None = option(
+        None,
+        "price of one instance-hour, for the cost in dollars [default: instance-hours only]",
+        unit="USD per instance-hour",
+        type=click.FloatRange(min=0),
+    )
+    scale_up_load: int = option(
+        20000,
+        "tokens queued or in flight per active instance that start one more",
+        unit="tokens per instance",
+        type=click.IntRange(min=1),
+    )
+    warm_window_s: float = option(
+        60.0,
+        "seconds after an instance comes up (and after each scale-up) that the report looks at",
+        unit="s",
+        type=click.FloatRange(min=0, min_open=True),
+    )
 
 
 @scenario
 class Autoscale(Scenario):
     name = "autoscale"
-    units = {  # of its options, shown in --help
-        "autoscale": "instances",
-        "cold_start_s": "s",
-        "instance_start_s": "s",
-        "weight_load_gbps": "GB/s, 1e9 bytes/s",
-        "lazy_weights": "on/off",
-        "prewarmed": "instances",
-        "instance_hour_usd": "USD per instance-hour",
-        "scale_up_load": "tokens per instance",
-        "warm_window_s": "s",
-    }
-    options = [
-        click.Option(
-            ["--autoscale"],
-            type=click.IntRange(min=1),
-            help="instances active at the start; more start under load, up to --instances",
-            default=None,
-        ),
-        click.Option(
-            ["--instance-start-s"],
-            type=click.FloatRange(min=0),
-            default=10.0,
-            show_default=True,
-            help="seconds from the decision to scale up until the new instance's runtime is up and loads weights",
-        ),
-        click.Option(
-            ["--weight-load-gbps"],
-            type=click.FloatRange(min=0, min_open=True),
-            default=2.0,
-            show_default=True,
-            help="storage → HBM bandwidth for the model's weights (network storage 1-3, local NVMe 5-7, host DRAM 20+)",
-        ),
-        click.Option(
-            ["--cold-start-s"],
-            type=click.FloatRange(min=0),
-            default=None,
-            help="the whole cold start as one constant, instead of --instance-start-s plus the weights' load time",
-        ),
-        click.Option(
-            ["--lazy-weights"],
-            is_flag=True,
-            default=False,
-            help="load weights layer by layer: a new instance takes requests once its runtime is up, and computes "
-            "each layer as it arrives",
-        ),
-        click.Option(
-            ["--prewarmed"],
-            type=click.IntRange(min=0),
-            default=0,
-            show_default=True,
-            help="instances kept loaded and idle beside the active ones (billed while idle); a scale-up takes one "
-            "at once and starts a cold one in its place",
-        ),
-        click.Option(
-            ["--instance-hour-usd"],
-            type=click.FloatRange(min=0),
-            default=None,
-            help="price of one instance-hour, for the cost in dollars [default: instance-hours only]",
-        ),
-        click.Option(
-            ["--scale-up-load"],
-            type=click.IntRange(min=1),
-            default=20000,
-            show_default=True,
-            help="tokens queued or in flight per active instance that start one more",
-        ),
-        click.Option(
-            ["--warm-window-s"],
-            type=click.FloatRange(min=0, min_open=True),
-            default=60.0,
-            show_default=True,
-            help="seconds after an instance comes up (and after each scale-up) that the report looks at",
-        ),
-    ]
+    options = cli_options(AutoscaleOptions)
 
     def __init__(self, settings: dict):
         self.start, self.prewarmed = settings["autoscale"], settings["prewarmed"]

@@ -39,11 +39,14 @@ a slow link); the step takes T_pipe either way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 import numpy as np
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
+from kvbench.options import cli_options, option
 
 HOP_S = 5e-6  # one-way latency of a link crossing (RDMA-class fabric), per crossing
 ACT_BYTES = 2  # activations cross as bf16
@@ -63,46 +66,42 @@ def attention_share(model) -> float:
     return min(1.0, model.layers * per_layer / model.active_params) if model.active_params else 0.0
 
 
+@dataclass(frozen=True)
+class DisaggregationOptions:
+    """The engine-sim options of the Disaggregation scenario."""
+
+    disagg: str | None = option(
+        None,
+        "pd: separate prefill and decode instances; attn-ffn: attention and FFN on separate devices, "
+        "activations cross the link every layer of every step (added to TTFT/TPOT); attn-ffn-pipelined: "
+        "the same with micro-batches pipelined layer by layer",
+        unit="name",
+        type=click.Choice(["pd", "attn-ffn", "attn-ffn-pipelined"]),
+    )
+    prefill_instances: int = option(
+        1,
+        "pd: instances that only prefill (the rest decode)",
+        unit="instances",
+        type=click.IntRange(min=1),
+    )
+    kv_link_gbps: float = option(
+        50.0,
+        "link between the pools (GB/s): KV for pd, activations for attn-ffn",
+        unit="GB/s, 1e9 bytes/s",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    attn_ffn_micro_batches: int = option(
+        2,
+        "attn-ffn-pipelined: micro-batches per iteration (count; 2 = ping-pong), at most one per token",
+        unit="micro-batches",
+        type=click.IntRange(min=1),
+    )
+
+
 @scenario
 class Disaggregation(Scenario):
     name = "disagg"
-    units = {  # of its options, shown in --help
-        "disagg": "name",
-        "prefill_instances": "instances",
-        "kv_link_gbps": "GB/s, 1e9 bytes/s",
-        "attn_ffn_micro_batches": "micro-batches",
-    }
-    options = [
-        click.Option(
-            ["--disagg"],
-            type=click.Choice(["pd", "attn-ffn", "attn-ffn-pipelined"]),
-            help="pd: separate prefill and decode instances; attn-ffn: attention and FFN on separate devices, "
-            "activations cross the link every layer of every step (added to TTFT/TPOT); attn-ffn-pipelined: "
-            "the same with micro-batches pipelined layer by layer",
-            default=None,
-        ),
-        click.Option(
-            ["--prefill-instances"],
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="pd: instances that only prefill (the rest decode)",
-        ),
-        click.Option(
-            ["--kv-link-gbps"],
-            type=click.FloatRange(min=0, min_open=True),
-            default=50.0,
-            show_default=True,
-            help="link between the pools (GB/s): KV for pd, activations for attn-ffn",
-        ),
-        click.Option(
-            ["--attn-ffn-micro-batches"],
-            type=click.IntRange(min=1),
-            default=2,
-            show_default=True,
-            help="attn-ffn-pipelined: micro-batches per iteration (count; 2 = ping-pong), at most one per token",
-        ),
-    ]
+    options = cli_options(DisaggregationOptions)
 
     def __init__(self, mode: str, n_prefill: int, link_bw: float, micro_batches: int = 2):
         self.mode, self.n_prefill, self.link_bw, self.micro_batches = mode, n_prefill, link_bw, micro_batches

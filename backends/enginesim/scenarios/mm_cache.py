@@ -16,29 +16,34 @@ whole blocks than in the copy; the reuse is capped by both. Each instance rememb
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import click
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
+from kvbench.options import cli_options, option
+
 COPIES_PER_ITEM = 4  # newest copies of an item's KV an instance looks for (older ones are rarely still cached)
+
+
+@dataclass(frozen=True)
+class MultimodalCacheOptions:
+    """The engine-sim options of the MultimodalCache scenario."""
+
+    mm_cache: str | None = option(
+        None,
+        "prefix: media KV reused only inside an identical prefix (engines today); position-independent: "
+        "an item's KV reused wherever the item appears while its blocks stay cached "
+        "[default: prefix, without the per-modality report]",
+        unit="name",
+        type=click.Choice(["prefix", "position-independent"]),
+    )
 
 
 @scenario
 class MultimodalCache(Scenario):
     name = "mm-cache"
-    units = {  # of its options, shown in --help
-        "mm_cache": "name",
-    }
-    options = [
-        click.Option(
-            ["--mm-cache"],
-            type=click.Choice(["prefix", "position-independent"]),
-            default=None,
-            help="prefix: media KV reused only inside an identical prefix (engines today); position-independent: "
-            "an item's KV reused wherever the item appears while its blocks stay cached "
-            "[default: prefix, without the per-modality report]",
-        )
-    ]
+    options = cli_options(MultimodalCacheOptions)
 
     def __init__(self, mode: str):
         self.mode = mode

@@ -30,38 +30,41 @@ no page (deltas are modeled in HBM only).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 import numpy as np
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.cache.reference import PrefixCache
 from kvbench.errors import KvbenchError
+from kvbench.options import cli_options, option
+
+
+@dataclass(frozen=True)
+class MultiLoraOptions:
+    """The engine-sim options of the MultiLora scenario."""
+
+    lora_kv: str | None = option(
+        None,
+        "isolated: the adapter is part of the cache key (vLLM); shared-base: base KV shared by all "
+        "adapters plus a per-adapter delta in the same pool [default: as --share-lora-kv says, no delta]",
+        unit="name",
+        type=click.Choice(["isolated", "shared-base"]),
+    )
+    lora_delta: float = option(
+        0.1,
+        "shared-base: bytes of an adapter's KV delta per block, as a fraction of a base block "
+        "(0: no delta; 1/d deltas share one pool block)",
+        unit="share of a base block",
+        type=click.FloatRange(0, 1),
+    )
 
 
 @scenario
 class MultiLora(Scenario):
     name = "multi-lora"
-    units = {  # of its options, shown in --help
-        "lora_kv": "name",
-        "lora_delta": "share of a base block",
-    }
-    options = [
-        click.Option(
-            ["--lora-kv"],
-            type=click.Choice(["isolated", "shared-base"]),
-            default=None,
-            help="isolated: the adapter is part of the cache key (vLLM); shared-base: base KV shared by all "
-            "adapters plus a per-adapter delta in the same pool [default: as --share-lora-kv says, no delta]",
-        ),
-        click.Option(
-            ["--lora-delta"],
-            type=click.FloatRange(0, 1),
-            default=0.1,
-            show_default=True,
-            help="shared-base: bytes of an adapter's KV delta per block, as a fraction of a base block "
-            "(0: no delta; 1/d deltas share one pool block)",
-        ),
-    ]
+    options = cli_options(MultiLoraOptions)
 
     def __init__(self, mode: str, delta: float):
         self.mode, self.delta = mode, delta

@@ -3,26 +3,31 @@ crowd the pool that short chat turns need (a separate decode pool)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
+
+from kvbench.options import cli_options, option
+
+
+@dataclass(frozen=True)
+class ReasoningPoolOptions:
+    """The engine-sim options of the ReasoningPool scenario."""
+
+    reasoning_instances: int = option(
+        0,
+        "instances (out of --instances) that serve only reasoning requests (workload 'reasoning' or "
+        "reasoning_tokens > 0); the others serve the rest",
+        unit="instances",
+        type=click.IntRange(min=0),
+    )
 
 
 @scenario
 class ReasoningPool(Scenario):
     name = "reasoning-pool"
-    units = {  # of its options, shown in --help
-        "reasoning_instances": "instances",
-    }
-    options = [
-        click.Option(
-            ["--reasoning-instances"],
-            type=click.IntRange(min=0),
-            default=0,
-            show_default=True,
-            help="instances (out of --instances) that serve only reasoning requests (workload 'reasoning' or "
-            "reasoning_tokens > 0); the others serve the rest",
-        )
-    ]
+    options = cli_options(ReasoningPoolOptions)
 
     def __init__(self, n: int):
         self.n = n

@@ -13,11 +13,13 @@ blocks unreachable the same way (and a recompute brings them back the same way).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import click
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
+from kvbench.options import cli_options, option
 
 
 def _deletions(values) -> list[tuple[str, float]]:
@@ -33,34 +35,34 @@ def _deletions(values) -> list[tuple[str, float]]:
     return out
 
 
+@dataclass(frozen=True)
+class UserKVOptions:
+    """The engine-sim options of the UserKV scenario."""
+
+    delete_user: str | None = option(
+        None,
+        "USER@SECONDS: delete that user's KV at that trace time (seconds); repeatable",
+        unit="name@s",
+        multiple=True,
+    )
+    user_kv_ttl: float | None = option(
+        None,
+        "seconds a user's block stays reachable after its last use",
+        unit="s",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    user_kv_quota: int | None = option(
+        None,
+        "blocks one user may keep cached (oldest first out)",
+        unit="blocks",
+        type=click.IntRange(min=1),
+    )
+
+
 @scenario
 class UserKV(Scenario):
     name = "user-kv"
-    units = {  # of its options, shown in --help
-        "delete_user": "name@s",
-        "user_kv_ttl": "s",
-        "user_kv_quota": "blocks",
-    }
-    options = [
-        click.Option(
-            ["--delete-user"],
-            multiple=True,
-            help="USER@SECONDS: delete that user's KV at that trace time (seconds); repeatable",
-            default=None,
-        ),
-        click.Option(
-            ["--user-kv-ttl"],
-            type=click.FloatRange(min=0, min_open=True),
-            help="seconds a user's block stays reachable after its last use",
-            default=None,
-        ),
-        click.Option(
-            ["--user-kv-quota"],
-            type=click.IntRange(min=1),
-            help="blocks one user may keep cached (oldest first out)",
-            default=None,
-        ),
-    ]
+    options = cli_options(UserKVOptions)
 
     def __init__(self, deletions, ttl, quota):
         self.deletions, self.ttl, self.quota = deletions, ttl, quota

@@ -21,7 +21,8 @@ compare the points (`kvbench report compare`)."""
 
 from __future__ import annotations
 
-import click
+from dataclasses import dataclass
+
 import pyarrow as pa
 from kvbench.backends.enginesim.scenarios import Scenario, scenario
 from kvbench.backends.enginesim.scenarios._video_frames import (
@@ -32,6 +33,7 @@ from kvbench.backends.enginesim.scenarios._video_frames import (
 )
 
 from kvbench.errors import KvbenchError
+from kvbench.options import cli_options, option
 from kvbench.trace.blockhash import mix, name_key
 
 DEFAULT_FRAME_TOKENS = 576  # LLaVA-style 24x24 patches per frame: 1152 tokens/s at 2 frames/s, the generator's default
@@ -39,44 +41,41 @@ DEFAULT_KEYFRAME_INTERVAL = 4  # one keyframe per 2 s at 2 frames/s
 _PRUNED_KEY = name_key("video-kv", "pruned-block")
 
 
+@dataclass(frozen=True)
+class VideoKvOptions:
+    """The engine-sim options of the VideoKv scenario."""
+
+    frame_similarity: str | None = option(
+        None,
+        "deduplicate video frames: this share of each clip's non-key frames repeats the frame before and "
+        "its KV is dropped (not computed, held, moved or read); 'measured': the non-key frames whose frame hash "
+        "repeats the previous one's (traces from trace gen multimodal --video-frame-items) [default: off]",
+        unit="share of non-key frames, 0..1, or 'measured'",
+    )
+    keyframe_attention: bool = option(
+        False,
+        "sparse attention: queries read only the keyframes' KV of a video item (every frame's KV is held)",
+        unit="on/off",
+        is_flag=True,
+    )
+    keyframe_interval: str = option(
+        DEFAULT_KEYFRAME_INTERVAL,
+        "a keyframe every this many frames of a clip, the first frame included",
+        unit="frames",
+        type=int,
+    )
+    video_frame_tokens: str = option(
+        DEFAULT_FRAME_TOKENS,
+        "tokens of one video frame: a longer video item is a whole clip cut into frames of this size",
+        unit="tokens",
+        type=int,
+    )
+
+
 @scenario
 class VideoKv(Scenario):
     name = "video-kv"
-    units = {
-        "frame_similarity": "share of non-key frames, 0..1, or 'measured'",
-        "keyframe_attention": "on/off",
-        "keyframe_interval": "frames",
-        "video_frame_tokens": "tokens",
-    }
-    options = [
-        click.Option(
-            ["--frame-similarity"],
-            default=None,
-            help="deduplicate video frames: this share of each clip's non-key frames repeats the frame before and "
-            "its KV is dropped (not computed, held, moved or read); 'measured': the non-key frames whose frame hash "
-            "repeats the previous one's (traces from trace gen multimodal --video-frame-items) [default: off]",
-        ),
-        click.Option(
-            ["--keyframe-attention"],
-            is_flag=True,
-            default=False,
-            help="sparse attention: queries read only the keyframes' KV of a video item (every frame's KV is held)",
-        ),
-        click.Option(
-            ["--keyframe-interval"],
-            type=int,
-            default=DEFAULT_KEYFRAME_INTERVAL,
-            show_default=True,
-            help="a keyframe every this many frames of a clip, the first frame included",
-        ),
-        click.Option(
-            ["--video-frame-tokens"],
-            type=int,
-            default=DEFAULT_FRAME_TOKENS,
-            show_default=True,
-            help="tokens of one video frame: a longer video item is a whole clip cut into frames of this size",
-        ),
-    ]
+    options = cli_options(VideoKvOptions)
 
     def __init__(self, similarity, sparse: bool, interval: int, frame_tokens: int):
         self.similarity, self.sparse, self.interval, self.frame_tokens = similarity, sparse, interval, frame_tokens

@@ -1,8 +1,9 @@
 """Seeded workload generators. Each module registers itself with `@generator`; nothing lists them by hand.
 
 A generator is a function `(params, n, seed, block_size) -> pa.Table` plus a frozen dataclass of its
-parameters. Every dataclass field carries `help` (and units) in its metadata; the CLI turns the fields into
-options, so a new parameter shows up in `kvbench trace gen KIND --help` without further work.
+parameters. Every dataclass field is a `param`, an `options.option` field (help, unit) with bounds; the CLI
+turns the fields into options (`options.cli_options`), so a new parameter shows up in `kvbench trace gen KIND
+--help` without further work.
 
 A *streamed* generator (`@generator(..., streamed=True)`: chat, reasoning) is instead a function
 `(params, n, seed, block_size, window_requests) -> Iterator[pa.Table]` yielding the trace in arrival
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kvbench import __version__
+from kvbench import __version__, options
 from kvbench.errors import KvbenchError
 from kvbench.registry import Registry
 from kvbench.trace.files import ROW_GROUP_SIZE, TraceMeta, new_meta
@@ -159,14 +160,16 @@ registry = _REGISTRY.all
 get = _REGISTRY.get
 
 
-def param(default, help: str, *, at_least=None, above=None, at_most=None, below=None):
-    """A generator parameter: a dataclass field whose `help` (with units) feeds the CLI. A number must be finite
-    and within its bounds (by default >= 0: no parameter is a negative count, rate, length or time);
-    `check_params` refuses one outside them, naming the option, before anything is drawn."""
+def param(default, help: str, *, unit: str, flag=None, at_least=None, above=None, at_most=None, below=None):
+    """A generator parameter: an `options.option` field (its help and unit feed the CLI; a bool's `flag` is
+    its --NAME/--no-NAME switch) with bounds. A number must be finite and within them (by default >= 0: no
+    parameter is a negative count, rate, length or time); `check_params` refuses one outside them, naming the
+    option, before anything is drawn."""
     if at_least is None and above is None:
         at_least = 0
     bounds = {"at_least": at_least, "above": above, "at_most": at_most, "below": below}
-    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
+    field = options.option(default, help, unit=unit, flag=flag)
+    return dataclasses.field(default=default, metadata={**field.metadata, "bounds": bounds})
 
 
 _BOUND_RULES = {
@@ -186,8 +189,8 @@ def check_params(params) -> None:
             continue
         option = "--" + f.name.replace("_", "-")
         if not math.isfinite(value):
-            raise BadParameter(f"{option} {value!r} must be a finite number ({f.metadata.get('help', '')})")
+            raise BadParameter(f"{option} {value!r} must be a finite number ({options.help_of(f)})")
         for rule, bound in f.metadata.get("bounds", {}).items():
             sign, holds = _BOUND_RULES[rule]
             if bound is not None and not holds(value, bound):
-                raise BadParameter(f"{option} {value!r} must be {sign} {bound} ({f.metadata.get('help', '')})")
+                raise BadParameter(f"{option} {value!r} must be {sign} {bound} ({options.help_of(f)})")

@@ -48,34 +48,48 @@ SUBAGENT_CALLS_SIGMA = 0.6  # spread of sub-agent chain lengths (kv-cache-tester
 # more frequent here than in those traces (19 of 739 had sub-agents) so that trees are exercised.
 @dataclass(frozen=True)
 class AgentParams:
-    task_rate: float = param(0.05, "new agent tasks per second (Poisson)", above=0)
-    calls_mean: float = param(50.0, "mean calls of the main agent per task (log-normal)")
-    calls_sigma: float = param(1.0, "log-normal shape of main-agent calls per task")
-    max_calls: int = param(1000, "cap on calls of one agent chain", at_least=1)
-    system_prompts: int = param(8, "distinct system prompt + tool definition prefixes shared across tasks", at_least=1)
-    system_zipf: float = param(1.0, "Zipf exponent of prefix popularity")
-    system_tokens_mean: float = param(13_000.0, "mean system prompt + tool definitions length (tokens)")
-    task_tokens_mean: float = param(6_000.0, "mean first user message of a task, project context included (tokens)")
-    output_tokens_mean: float = param(450.0, "mean output per call (tokens, log-normal)")
-    output_tokens_sigma: float = param(1.0, "log-normal shape of output length")
-    tool_tokens_mean: float = param(2_000.0, "mean tool output appended after a call (tokens, log-normal)")
-    tool_tokens_sigma: float = param(1.8, "log-normal shape of tool output length (heavy tail: file reads, logs)")
-    max_tool_tokens: int = param(25_000, "cap on one tool output (tokens)", at_least=1)
-    tool_time_mean_s: float = param(20.0, "mean tool/client time between a call finishing and the next (s, log-normal)")
-    tool_time_sigma: float = param(1.2, "log-normal shape of tool time")
+    task_rate: float = param(0.05, "new agent tasks per second (Poisson)", unit="tasks/s", above=0)
+    calls_mean: float = param(50.0, "mean calls of the main agent per task (log-normal)", unit="calls")
+    calls_sigma: float = param(1.0, "log-normal shape of main-agent calls per task", unit="unitless")
+    max_calls: int = param(1000, "cap on calls of one agent chain", unit="calls", at_least=1)
+    system_prompts: int = param(
+        8, "distinct system prompt + tool definition prefixes shared across tasks", unit="count", at_least=1
+    )
+    system_zipf: float = param(1.0, "Zipf exponent of prefix popularity", unit="unitless")
+    system_tokens_mean: float = param(13_000.0, "mean system prompt + tool definitions length (tokens)", unit="tokens")
+    task_tokens_mean: float = param(
+        6_000.0, "mean first user message of a task, project context included (tokens)", unit="tokens"
+    )
+    output_tokens_mean: float = param(450.0, "mean output per call (tokens, log-normal)", unit="tokens")
+    output_tokens_sigma: float = param(1.0, "log-normal shape of output length", unit="unitless")
+    tool_tokens_mean: float = param(
+        2_000.0, "mean tool output appended after a call (tokens, log-normal)", unit="tokens"
+    )
+    tool_tokens_sigma: float = param(
+        1.8, "log-normal shape of tool output length (heavy tail: file reads, logs)", unit="unitless"
+    )
+    max_tool_tokens: int = param(25_000, "cap on one tool output (tokens)", unit="tokens", at_least=1)
+    tool_time_mean_s: float = param(
+        20.0, "mean tool/client time between a call finishing and the next (s, log-normal)", unit="s"
+    )
+    tool_time_sigma: float = param(1.2, "log-normal shape of tool time", unit="unitless")
     fork_prob: float = param(
-        0.01, "probability that a main-agent call spawns sub-agents (never the last call)", at_most=1
+        0.01, "probability that a main-agent call spawns sub-agents (never the last call)", unit="fraction", at_most=1
     )
-    subagents_mean: float = param(3.0, "mean sub-agents per fork (1 + Poisson)")
-    max_subagents: int = param(8, "cap on sub-agents per fork", at_least=1)
-    subagent_calls_mean: float = param(12.0, "mean calls per sub-agent (log-normal)")
-    subagent_task_tokens_mean: float = param(500.0, "mean sub-agent instruction after the inherited prefix (tokens)")
+    subagents_mean: float = param(3.0, "mean sub-agents per fork (1 + Poisson)", unit="sub-agents")
+    max_subagents: int = param(8, "cap on sub-agents per fork", unit="sub-agents", at_least=1)
+    subagent_calls_mean: float = param(12.0, "mean calls per sub-agent (log-normal)", unit="calls")
+    subagent_task_tokens_mean: float = param(
+        500.0, "mean sub-agent instruction after the inherited prefix (tokens)", unit="tokens"
+    )
     max_context_tokens: int = param(
-        131_072, "context cap (tokens); a chain that would exceed it compacts its history", at_least=1
+        131_072, "context cap (tokens); a chain that would exceed it compacts its history", unit="tokens", at_least=1
     )
-    summary_tokens: int = param(3_000, "compaction summary that replaces a chain's history (tokens)")
-    users: int = param(500, "distinct users submitting tasks (Zipf)", at_least=1)
-    decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later calls (s)")
+    summary_tokens: int = param(3_000, "compaction summary that replaces a chain's history (tokens)", unit="tokens")
+    users: int = param(500, "distinct users submitting tasks (Zipf)", unit="count", at_least=1)
+    decode_s_per_token: float = param(
+        0.03, "assumed server time per output token, to place later calls (s)", unit="s/token"
+    )
 
 
 def _check(p: AgentParams) -> None:

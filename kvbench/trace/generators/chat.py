@@ -23,18 +23,20 @@ from kvbench.trace.generators._stream import SequentialDraws, stream_conversatio
 
 @dataclass(frozen=True)
 class ChatParams:
-    session_rate: float = param(1.0, "new conversations per second (Poisson)", above=0)
-    turns_mean: float = param(4.0, "mean turns per conversation (geometric)")
-    max_turns: int = param(32, "cap on turns per conversation", at_least=1)
-    system_prompts: int = param(16, "distinct system prompts shared across conversations", at_least=1)
-    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
-    system_tokens_mean: float = param(1200.0, "mean system prompt length (tokens)")
-    user_tokens_mean: float = param(300.0, "mean new user text per turn (tokens, log-normal)")
-    user_tokens_sigma: float = param(1.2, "log-normal shape of user text length")
-    output_tokens_mean: float = param(343.0, "mean answer length (tokens; Mooncake conversation: 343)")
-    output_tokens_sigma: float = param(0.8, "log-normal shape of answer length")
-    think_time_mean_s: float = param(45.0, "mean human think time between an answer and the next turn (s)")
-    decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later turns (s)")
+    session_rate: float = param(1.0, "new conversations per second (Poisson)", unit="sessions/s", above=0)
+    turns_mean: float = param(4.0, "mean turns per conversation (geometric)", unit="turns")
+    max_turns: int = param(32, "cap on turns per conversation", unit="turns", at_least=1)
+    system_prompts: int = param(16, "distinct system prompts shared across conversations", unit="count", at_least=1)
+    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity", unit="unitless")
+    system_tokens_mean: float = param(1200.0, "mean system prompt length (tokens)", unit="tokens")
+    user_tokens_mean: float = param(300.0, "mean new user text per turn (tokens, log-normal)", unit="tokens")
+    user_tokens_sigma: float = param(1.2, "log-normal shape of user text length", unit="unitless")
+    output_tokens_mean: float = param(343.0, "mean answer length (tokens; Mooncake conversation: 343)", unit="tokens")
+    output_tokens_sigma: float = param(0.8, "log-normal shape of answer length", unit="unitless")
+    think_time_mean_s: float = param(45.0, "mean human think time between an answer and the next turn (s)", unit="s")
+    decode_s_per_token: float = param(
+        0.03, "assumed server time per output token, to place later turns (s)", unit="s/token"
+    )
 
 
 @generator("chat", ChatParams, streamed=True)

@@ -16,11 +16,13 @@ class MixParams:
     weights: str = param(
         "chat=0.4,agent=0.2,multimodal=0.15,reasoning=0.1,multi-tenant=0.15",
         "share of requests per kind, as kind=weight pairs separated by commas (normalised to 1)",
+        unit="unitless",
     )
     clock: str = param(
         "shortest",
         "how the kinds' clocks are merged: 'native' keeps each kind's own arrival times; 'shortest'/'longest' "
         "stretch each kind's arrivals (and think times) so that all span the shortest/longest kind's duration",
+        unit="name",
     )
 
 

@@ -45,69 +45,86 @@ _FRAME_KEY, _REPEAT_KEY = name_key("multimodal", "frame"), name_key("multimodal"
 
 @dataclass(frozen=True)
 class MultimodalParams:
-    session_rate: float = param(1.0, "new sessions per second (Poisson)", above=0)
-    turns_mean: float = param(1.5, "mean turns per session (geometric; 1 = independent requests)")
-    max_turns: int = param(8, "cap on turns per session", at_least=1)
-    text_only_share: float = param(0.2, "share of sessions whose first request carries no media (0..1)", at_most=1)
-    followup_media_share: float = param(0.2, "probability that a follow-up turn attaches new media (0..1)", at_most=1)
-    extra_items_mean: float = param(0.3, "mean media items beyond the first in a request with media (Poisson)")
-    max_items: int = param(8, "cap on media items attached to one request", at_least=1)
-    image_share: float = param(0.75, "relative weight of images among media items")
-    video_share: float = param(0.10, "relative weight of video clips among media items")
-    audio_share: float = param(0.15, "relative weight of audio clips among media items")
-    image_pool: int = param(10_000, "distinct images in the content pool", at_least=1)
-    image_zipf: float = param(1.0, "Zipf exponent of image popularity")
+    session_rate: float = param(1.0, "new sessions per second (Poisson)", unit="sessions/s", above=0)
+    turns_mean: float = param(1.5, "mean turns per session (geometric; 1 = independent requests)", unit="turns")
+    max_turns: int = param(8, "cap on turns per session", unit="turns", at_least=1)
+    text_only_share: float = param(
+        0.2, "share of sessions whose first request carries no media (0..1)", unit="fraction", at_most=1
+    )
+    followup_media_share: float = param(
+        0.2, "probability that a follow-up turn attaches new media (0..1)", unit="fraction", at_most=1
+    )
+    extra_items_mean: float = param(
+        0.3, "mean media items beyond the first in a request with media (Poisson)", unit="items"
+    )
+    max_items: int = param(8, "cap on media items attached to one request", unit="items", at_least=1)
+    image_share: float = param(0.75, "relative weight of images among media items", unit="fraction")
+    video_share: float = param(0.10, "relative weight of video clips among media items", unit="fraction")
+    audio_share: float = param(0.15, "relative weight of audio clips among media items", unit="fraction")
+    image_pool: int = param(10_000, "distinct images in the content pool", unit="count", at_least=1)
+    image_zipf: float = param(1.0, "Zipf exponent of image popularity", unit="unitless")
     image_token_choices: str = param(
         "256,576,729,1024",
         "comma-separated tokens per image, one drawn per pool image (tokens; PaliGemma-224 256, "
         "LLaVA-1.5 CLIP-336 576, SigLIP-384 729, PaliGemma-448 1024)",
+        unit="tokens",
     )
-    video_pool: int = param(1_000, "distinct video clips in the content pool", at_least=1)
-    video_zipf: float = param(0.8, "Zipf exponent of video popularity")
+    video_pool: int = param(1_000, "distinct video clips in the content pool", unit="count", at_least=1)
+    video_zipf: float = param(0.8, "Zipf exponent of video popularity", unit="unitless")
     video_tokens_per_s: float = param(
-        1152.0, "tokens per second of video (2 frames/s x 576 tokens; published ~1K-10K)", above=0
+        1152.0, "tokens per second of video (2 frames/s x 576 tokens; published ~1K-10K)", unit="tokens/s", above=0
     )
-    video_s_mean: float = param(10.0, "mean clip duration (s, log-normal)", above=0)
-    video_max_s: float = param(60.0, "cap on clip duration (s)", above=0)
-    audio_pool: int = param(1_000, "distinct audio clips in the content pool", at_least=1)
-    audio_zipf: float = param(0.8, "Zipf exponent of audio popularity")
+    video_s_mean: float = param(10.0, "mean clip duration (s, log-normal)", unit="s", above=0)
+    video_max_s: float = param(60.0, "cap on clip duration (s)", unit="s", above=0)
+    audio_pool: int = param(1_000, "distinct audio clips in the content pool", unit="count", at_least=1)
+    audio_zipf: float = param(0.8, "Zipf exponent of audio popularity", unit="unitless")
     audio_tokens_per_s: float = param(
-        50.0, "tokens per second of audio (Whisper encoder: 1500 frames per 30 s)", above=0
+        50.0, "tokens per second of audio (Whisper encoder: 1500 frames per 30 s)", unit="tokens/s", above=0
     )
-    audio_s_mean: float = param(15.0, "mean audio duration (s, log-normal)", above=0)
-    audio_max_s: float = param(300.0, "cap on audio duration (s)", above=0)
-    system_prompts: int = param(8, "distinct system prompts shared across sessions", at_least=1)
-    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
-    system_tokens_mean: float = param(400.0, "mean system prompt length (tokens)")
-    user_tokens_mean: float = param(60.0, "mean user text per turn (tokens, log-normal)")
-    user_tokens_sigma: float = param(1.0, "log-normal shape of user text length")
-    output_tokens_mean: float = param(250.0, "mean answer length (tokens, log-normal)")
-    output_tokens_sigma: float = param(0.8, "log-normal shape of answer length")
-    think_time_mean_s: float = param(30.0, "mean human think time between an answer and the next turn (s)")
-    decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later turns (s)")
+    audio_s_mean: float = param(15.0, "mean audio duration (s, log-normal)", unit="s", above=0)
+    audio_max_s: float = param(300.0, "cap on audio duration (s)", unit="s", above=0)
+    system_prompts: int = param(8, "distinct system prompts shared across sessions", unit="count", at_least=1)
+    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity", unit="unitless")
+    system_tokens_mean: float = param(400.0, "mean system prompt length (tokens)", unit="tokens")
+    user_tokens_mean: float = param(60.0, "mean user text per turn (tokens, log-normal)", unit="tokens")
+    user_tokens_sigma: float = param(1.0, "log-normal shape of user text length", unit="unitless")
+    output_tokens_mean: float = param(250.0, "mean answer length (tokens, log-normal)", unit="tokens")
+    output_tokens_sigma: float = param(0.8, "log-normal shape of answer length", unit="unitless")
+    think_time_mean_s: float = param(30.0, "mean human think time between an answer and the next turn (s)", unit="s")
+    decode_s_per_token: float = param(
+        0.03, "assumed server time per output token, to place later turns (s)", unit="s/token"
+    )
     # Frames and voice turns (docs/video-audio-kv.md); the defaults leave the trace as it was without them.
     video_fps: float = param(
         2.0,
         "frames per second a clip is sampled at (frames/s): a frame is video_tokens_per_s / video_fps tokens",
+        unit="frames/s",
         above=0,
     )
     video_frame_items: bool = param(
-        False, "list each video clip frame by frame in mm_items (one item per frame; block ids unchanged)"
+        False,
+        "list each video clip frame by frame in mm_items (one item per frame; block ids unchanged)",
+        unit="on/off",
+        flag="--video-frame-items/--no-video-frame-items",
     )
     video_frame_repeat: float = param(
         0.0,
         "probability that a frame after a clip's first repeats the previous frame exactly (same frame hash; "
         "0..1; needs --video-frame-items)",
+        unit="fraction",
         at_most=1,
     )
     voice_session_share: float = param(
         0.0,
         "share of sessions that are voice chats: every user turn carries a new audio clip of speech (0..1)",
+        unit="fraction",
         at_most=1,
     )
-    voice_turn_s_mean: float = param(6.0, "mean length of a spoken user turn (s, log-normal)", above=0)
-    voice_turn_s_max: float = param(60.0, "cap on a spoken user turn (s)", above=0)
-    voice_text_tokens: int = param(8, "text tokens of a spoken turn beside its audio (chat template)", at_least=1)
+    voice_turn_s_mean: float = param(6.0, "mean length of a spoken user turn (s, log-normal)", unit="s", above=0)
+    voice_turn_s_max: float = param(60.0, "cap on a spoken user turn (s)", unit="s", above=0)
+    voice_text_tokens: int = param(
+        8, "text tokens of a spoken turn beside its audio (chat template)", unit="tokens", at_least=1
+    )
 
 
 def _pool_tokens(p: MultimodalParams, modality: str, seed: int) -> np.ndarray:

@@ -40,56 +40,80 @@ TIERS = ("premium", "standard", "free")
 
 @dataclass(frozen=True)
 class MultiTenantParams:
-    tenants: int = param(200, "number of tenants", at_least=1)
-    tenant_zipf: float = param(1.1, "Zipf exponent of tenant traffic shares (users are assigned to tenants by it)")
-    span_days: float = param(3.0, "span over which sessions start (days)", above=0)
-    diurnal_amplitude: float = param(0.0, "relative day/night swing of the session rate (0 = flat, < 1)", below=1)
-    diurnal_peak_hour: float = param(14.0, "hour of the day with the highest session rate (h)", below=24)
-    sessions_per_user_mean: float = param(4.0, "mean sessions per user (geometric), spread over the span")
-    max_sessions_per_user: int = param(64, "cap on sessions per user", at_least=1)
-    turns_mean: float = param(3.0, "mean turns per session (geometric)")
-    max_turns: int = param(32, "cap on turns per session", at_least=1)
+    tenants: int = param(200, "number of tenants", unit="count", at_least=1)
+    tenant_zipf: float = param(
+        1.1, "Zipf exponent of tenant traffic shares (users are assigned to tenants by it)", unit="unitless"
+    )
+    span_days: float = param(3.0, "span over which sessions start (days)", unit="days", above=0)
+    diurnal_amplitude: float = param(
+        0.0, "relative day/night swing of the session rate (0 = flat, < 1)", unit="fraction", below=1
+    )
+    diurnal_peak_hour: float = param(14.0, "hour of the day with the highest session rate (h)", unit="h", below=24)
+    sessions_per_user_mean: float = param(
+        4.0, "mean sessions per user (geometric), spread over the span", unit="sessions"
+    )
+    max_sessions_per_user: int = param(64, "cap on sessions per user", unit="sessions", at_least=1)
+    turns_mean: float = param(3.0, "mean turns per session (geometric)", unit="turns")
+    max_turns: int = param(32, "cap on turns per session", unit="turns", at_least=1)
     public_prompts: int = param(
-        8, "distinct public system prompts (identical across the tenants that use them)", at_least=1
+        8, "distinct public system prompts (identical across the tenants that use them)", unit="count", at_least=1
     )
-    public_zipf: float = param(1.0, "Zipf exponent of public-prompt popularity among tenants")
+    public_zipf: float = param(1.0, "Zipf exponent of public-prompt popularity among tenants", unit="unitless")
     public_share: float = param(
-        0.6, "share of tenants whose prompts start with a public system prompt (0..1)", at_most=1
+        0.6, "share of tenants whose prompts start with a public system prompt (0..1)", unit="fraction", at_most=1
     )
-    public_tokens_mean: float = param(1500.0, "mean public system prompt length (tokens)")
-    public_tokens_sigma: float = param(0.5, "log-normal shape of public prompt length (0 = all equal)")
-    private_tokens_mean: float = param(2000.0, "mean tenant-private prefix: its system prompt and documents (tokens)")
-    memory_tokens_mean: float = param(500.0, "mean user-private memory/profile opening each returning session (tokens)")
-    user_tokens_mean: float = param(200.0, "mean new user text per turn (tokens, log-normal)")
-    user_tokens_sigma: float = param(1.2, "log-normal shape of user text length")
-    output_tokens_mean: float = param(343.0, "mean answer length (tokens; Mooncake conversation: 343)")
-    output_tokens_sigma: float = param(0.8, "log-normal shape of answer length")
-    think_time_mean_s: float = param(45.0, "mean human think time between an answer and the next turn (s)")
-    decode_s_per_token: float = param(0.03, "assumed server time per output token, to place later turns (s)")
+    public_tokens_mean: float = param(1500.0, "mean public system prompt length (tokens)", unit="tokens")
+    public_tokens_sigma: float = param(0.5, "log-normal shape of public prompt length (0 = all equal)", unit="unitless")
+    private_tokens_mean: float = param(
+        2000.0, "mean tenant-private prefix: its system prompt and documents (tokens)", unit="tokens"
+    )
+    memory_tokens_mean: float = param(
+        500.0, "mean user-private memory/profile opening each returning session (tokens)", unit="tokens"
+    )
+    user_tokens_mean: float = param(200.0, "mean new user text per turn (tokens, log-normal)", unit="tokens")
+    user_tokens_sigma: float = param(1.2, "log-normal shape of user text length", unit="unitless")
+    output_tokens_mean: float = param(343.0, "mean answer length (tokens; Mooncake conversation: 343)", unit="tokens")
+    output_tokens_sigma: float = param(0.8, "log-normal shape of answer length", unit="unitless")
+    think_time_mean_s: float = param(45.0, "mean human think time between an answer and the next turn (s)", unit="s")
+    decode_s_per_token: float = param(
+        0.03, "assumed server time per output token, to place later turns (s)", unit="s/token"
+    )
     unsalted_share: float = param(
-        0.1, "share of tenants that send no cache_salt (they opt into cross-tenant sharing)", at_most=1
+        0.1, "share of tenants that send no cache_salt (they opt into cross-tenant sharing)", unit="fraction", at_most=1
     )
-    premium_share: float = param(0.1, "share of tenants in the premium tier", at_most=1)
-    free_share: float = param(0.3, "share of tenants in the free tier (the rest are standard)", at_most=1)
+    premium_share: float = param(0.1, "share of tenants in the premium tier", unit="fraction", at_most=1)
+    free_share: float = param(
+        0.3, "share of tenants in the free tier (the rest are standard)", unit="fraction", at_most=1
+    )
     premium_priority: int = param(
-        80, "retention priority of premium tenants (0-100, TensorRT-LLM semantics)", at_most=100
+        80,
+        "retention priority of premium tenants (0-100, TensorRT-LLM semantics)",
+        unit="priority (0-100)",
+        at_most=100,
     )
     standard_priority: int = param(
-        DEFAULT_PRIORITY, "retention priority of standard tenants (TensorRT-LLM default 35)", at_most=100
+        DEFAULT_PRIORITY,
+        "retention priority of standard tenants (TensorRT-LLM default 35)",
+        unit="priority (0-100)",
+        at_most=100,
     )
-    free_priority: int = param(10, "retention priority of free-tier tenants (0-100)", at_most=100)
-    slo: bool = param(True, "attach per-tier TTFT/TPOT SLOs to every request")
-    premium_ttft_ms: float = param(500.0, "TTFT SLO of premium tenants (ms)", above=0)
-    standard_ttft_ms: float = param(2000.0, "TTFT SLO of standard tenants (ms)", above=0)
-    free_ttft_ms: float = param(10000.0, "TTFT SLO of free-tier tenants (ms)", above=0)
-    premium_tpot_ms: float = param(30.0, "TPOT SLO of premium tenants (ms per output token)", above=0)
-    standard_tpot_ms: float = param(50.0, "TPOT SLO of standard tenants (ms per output token)", above=0)
-    free_tpot_ms: float = param(100.0, "TPOT SLO of free-tier tenants (ms per output token)", above=0)
-    lora_tenant_share: float = param(0.3, "share of tenants that own LoRA adapters (0..1)", at_most=1)
-    lora_adapters: int = param(100, "most LoRA adapters in total, all on one base model")
-    lora_per_tenant_max: int = param(3, "most adapters one tenant owns (uniform 1..max)", at_least=1)
+    free_priority: int = param(
+        10, "retention priority of free-tier tenants (0-100)", unit="priority (0-100)", at_most=100
+    )
+    slo: bool = param(True, "attach per-tier TTFT/TPOT SLOs to every request", unit="on/off", flag="--slo/--no-slo")
+    premium_ttft_ms: float = param(500.0, "TTFT SLO of premium tenants (ms)", unit="ms", above=0)
+    standard_ttft_ms: float = param(2000.0, "TTFT SLO of standard tenants (ms)", unit="ms", above=0)
+    free_ttft_ms: float = param(10000.0, "TTFT SLO of free-tier tenants (ms)", unit="ms", above=0)
+    premium_tpot_ms: float = param(30.0, "TPOT SLO of premium tenants (ms per output token)", unit="ms/token", above=0)
+    standard_tpot_ms: float = param(
+        50.0, "TPOT SLO of standard tenants (ms per output token)", unit="ms/token", above=0
+    )
+    free_tpot_ms: float = param(100.0, "TPOT SLO of free-tier tenants (ms per output token)", unit="ms/token", above=0)
+    lora_tenant_share: float = param(0.3, "share of tenants that own LoRA adapters (0..1)", unit="fraction", at_most=1)
+    lora_adapters: int = param(100, "most LoRA adapters in total, all on one base model", unit="count")
+    lora_per_tenant_max: int = param(3, "most adapters one tenant owns (uniform 1..max)", unit="count", at_least=1)
     lora_session_share: float = param(
-        0.8, "share of an adapter-owning tenant's sessions that use one of its adapters", at_most=1
+        0.8, "share of an adapter-owning tenant's sessions that use one of its adapters", unit="fraction", at_most=1
     )
 
     def __post_init__(self):

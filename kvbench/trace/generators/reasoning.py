@@ -28,26 +28,40 @@ MAX_OUTPUT_TOKENS = 128_000
 @dataclass(frozen=True)
 class ReasoningParams:
     session_rate: float = param(
-        0.02, "new conversations per second (Poisson); low: each turn decodes for minutes", above=0
+        0.02, "new conversations per second (Poisson); low: each turn decodes for minutes", unit="sessions/s", above=0
     )
-    turns_mean: float = param(3.0, "mean turns per conversation (geometric)")
-    max_turns: int = param(16, "cap on turns per conversation", at_least=1)
-    system_prompts: int = param(8, "distinct system prompts shared across conversations", at_least=1)
-    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity")
-    system_tokens_mean: float = param(800.0, "mean system prompt length (tokens)")
-    user_tokens_mean: float = param(600.0, "mean new user text per turn: a problem or a follow-up (tokens, log-normal)")
-    user_tokens_sigma: float = param(1.0, "log-normal shape of user text length")
-    output_tokens_mean: float = param(58_000.0, "mean decode per request, reasoning + answer (tokens, log-normal)")
-    output_tokens_sigma: float = param(0.35, "log-normal shape of decode length (0.35: ~90% of requests in 30K-100K)")
-    answer_tokens_mean: float = param(1_000.0, "mean visible answer (tokens, log-normal); the rest is reasoning")
-    answer_tokens_sigma: float = param(0.8, "log-normal shape of visible answer length")
+    turns_mean: float = param(3.0, "mean turns per conversation (geometric)", unit="turns")
+    max_turns: int = param(16, "cap on turns per conversation", unit="turns", at_least=1)
+    system_prompts: int = param(8, "distinct system prompts shared across conversations", unit="count", at_least=1)
+    system_zipf: float = param(1.0, "Zipf exponent of system-prompt popularity", unit="unitless")
+    system_tokens_mean: float = param(800.0, "mean system prompt length (tokens)", unit="tokens")
+    user_tokens_mean: float = param(
+        600.0, "mean new user text per turn: a problem or a follow-up (tokens, log-normal)", unit="tokens"
+    )
+    user_tokens_sigma: float = param(1.0, "log-normal shape of user text length", unit="unitless")
+    output_tokens_mean: float = param(
+        58_000.0, "mean decode per request, reasoning + answer (tokens, log-normal)", unit="tokens"
+    )
+    output_tokens_sigma: float = param(
+        0.35, "log-normal shape of decode length (0.35: ~90% of requests in 30K-100K)", unit="unitless"
+    )
+    answer_tokens_mean: float = param(
+        1_000.0, "mean visible answer (tokens, log-normal); the rest is reasoning", unit="tokens"
+    )
+    answer_tokens_sigma: float = param(0.8, "log-normal shape of visible answer length", unit="unitless")
     keep_reasoning: bool = param(
         False,
         "keep earlier turns' reasoning in later prompts (default: stripped, as "
         "the DeepSeek-R1 and OpenAI o-series APIs do)",
+        unit="on/off",
+        flag="--keep-reasoning/--no-keep-reasoning",
     )
-    think_time_mean_s: float = param(60.0, "mean human think time between an answer and the next turn (s, exponential)")
-    decode_s_per_token: float = param(0.02, "assumed server time per output token, to place later turns (s)")
+    think_time_mean_s: float = param(
+        60.0, "mean human think time between an answer and the next turn (s, exponential)", unit="s"
+    )
+    decode_s_per_token: float = param(
+        0.02, "assumed server time per output token, to place later turns (s)", unit="s/token"
+    )
 
 
 @generator("reasoning", ReasoningParams, streamed=True)
