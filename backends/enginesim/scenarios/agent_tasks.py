@@ -11,7 +11,9 @@ With `--task-retention` it is "keep a task's KV until its last call, and finish 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import click
 import numpy as np
@@ -19,17 +21,50 @@ from kvbench.backends.enginesim.scenarios import Scenario, scenario
 
 from kvbench.errors import KvbenchError
 from kvbench.options import cli_options, option
+from kvbench.registry import Registry
 
-# the waiting-queue orders of --task-order: name -> what goes first (its measure, smallest first)
-TASK_ORDERS = {
-    "fcfs": "calls in arrival order, tasks ignored (vLLM)",
-    "oldest-task": "calls of the task whose first call arrived first (task-level FCFS)",
-    "fewest-remaining-calls": "calls of the task with the fewest calls not finished (it knows the task graph)",
-    "least-remaining-work": "calls of the task with the fewest tokens (prompt plus output) not yet computed "
-    "(it knows the task graph)",
-    "least-attained-service": "calls of the task whose finished calls ran the fewest seconds (as Autellix's PLAS; "
-    "needs no knowledge of what is to come)",
-}
+class TaskOrder(NamedTuple):
+    """A waiting-queue order of --task-order: what goes first, and the measure of a call's task that ranks it
+    (smallest first; None: the calls' own arrival order)."""
+
+    help: str
+    measure: Callable[[AgentTasks, int], float] | None
+
+
+# the waiting-queue orders of --task-order, each registered with the measure it ranks tasks by
+TASK_ORDERS: Registry[TaskOrder] = Registry(None, "task order")
+TASK_ORDERS.add("fcfs", TaskOrder("calls in arrival order, tasks ignored (vLLM)", None))
+
+
+def task_order(name: str, help: str):
+    def add(measure):
+        TASK_ORDERS.add(name, TaskOrder(help, measure))
+        return measure
+
+    return add
+
+
+@task_order("oldest-task", "calls of the task whose first call arrived first (task-level FCFS)")
+def _oldest_task(s: AgentTasks, task: int) -> float:
+    return s.task_start[task]
+
+
+@task_order("fewest-remaining-calls", "calls of the task with the fewest calls not finished (it knows the task graph)")
+def _fewest_remaining_calls(s: AgentTasks, task: int) -> float:
+    return sum(1 for c in s.calls[task] if c.finish < 0)
+
+
+@task_order("least-remaining-work", "calls of the task with the fewest tokens (prompt plus output) not yet computed "
+            "(it knows the task graph)")  # fmt: skip
+def _least_remaining_work(s: AgentTasks, task: int) -> float:
+    # a running call's context is KV it already has
+    return sum(max(0, c.n_in + c.n_out - c.context) for c in s.calls[task] if c.finish < 0)
+
+
+@task_order("least-attained-service", "calls of the task whose finished calls ran the fewest seconds (as "
+            "Autellix's PLAS; needs no knowledge of what is to come)")  # fmt: skip
+def _least_attained_service(s: AgentTasks, task: int) -> float:
+    return sum(c.finish - c.start for c in s.calls[task] if c.finish >= 0)
 
 
 @dataclass(frozen=True)
@@ -45,7 +80,7 @@ class AgentTasksOptions:
     task_order: str = option(
         "fcfs",
         "order of each instance's waiting queue: "
-        + "; ".join(f"{k}: {v}" for k, v in TASK_ORDERS.items())
+        + "; ".join(f"{k}: {v.help}" for k, v in TASK_ORDERS.items())
         + "; ties go to the call that arrived first (needs --closed-loop)",
         unit="name",
         type=click.Choice(list(TASK_ORDERS)),
@@ -93,22 +128,15 @@ class AgentTasks(Scenario):
         np.minimum.at(start, task_of, trace.column("arrival_s").to_numpy().astype(np.float64))
         self.task_start = start.tolist()  # the trace time of each task's first call
 
-    def _measure(self, task: int) -> float:
-        """The --task-order measure of a task now (smaller goes first)."""
-        calls = self.calls[task]
-        if self.order == "oldest-task":
-            return self.task_start[task]
-        if self.order == "fewest-remaining-calls":
-            return sum(1 for c in calls if c.finish < 0)
-        if self.order == "least-remaining-work":  # a running call's context is KV it already has
-            return sum(max(0, c.n_in + c.n_out - c.context) for c in calls if c.finish < 0)
-        return sum(c.finish - c.start for c in calls if c.finish >= 0)  # least-attained-service
-
     def waiting_order(self, inst):
-        if self.order == "fcfs":
+        rank = TASK_ORDERS[self.order].measure
+        if rank is None:
             return None
         memo: dict[int, float] = {}  # a task's measure, once per ordering (several of its calls may wait)
-        task_of, measure = self.task_of, self._measure
+        task_of = self.task_of
+
+        def measure(task: int) -> float:
+            return rank(self, task)
 
         def key(r):
             t = task_of[r.row]
