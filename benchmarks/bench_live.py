@@ -92,7 +92,7 @@ def live_run(url: str, table: pa.Table, meta, **pacing) -> dict:
 
     from kvbench.live.replay import run_live
 
-    backend = OpenAIBackend(url=url, model="fake", **pacing)
+    backend = OpenAIBackend(url=url, served_model="fake", **pacing)
     summary: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvb-bench-live-") as d:
         run_live(backend, table, meta, Path(d), summary, 0.0)
@@ -150,7 +150,7 @@ class Payload:
         from kvbench.backends.openai import OpenAIBackend
 
         self.table, self.meta = short_trace(PAYLOADS)
-        self.backend = OpenAIBackend(url="http://127.0.0.1:1", model="fake", endpoint=endpoint)
+        self.backend = OpenAIBackend(url="http://127.0.0.1:1", served_model="fake", endpoint=endpoint)
         self.backend._prepare(self.table, self.meta)
 
     def time_payload_1000(self, endpoint):
