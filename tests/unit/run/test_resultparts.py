@@ -128,8 +128,11 @@ def test_sigterm_and_sighup_are_handled_as_ctrl_c():
         "        print('interrupted like Ctrl-C')\n"
         "main(['wait'])\n"
     )
+    # the child starts with the default handlers, whatever this test runs under (a CI started with nohup
+    # ignores SIGHUP, and an ignored signal stays ignored, as below)
+    default = "import signal; signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
     for name in ("SIGTERM", "SIGHUP"):
-        out = subprocess.run([sys.executable, "-c", code % name], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", default + code % name], capture_output=True, text=True, timeout=60)
         assert "interrupted like Ctrl-C" in out.stdout, (name, out.stderr)
     # a signal ignored when kvbench starts (`nohup`) stays ignored
     nohup = "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" + code % "SIGHUP"
