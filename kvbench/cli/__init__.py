@@ -48,6 +48,35 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
+class BackendOptionsCommand(click.Command):
+    """A command that also takes the options of the backends its command line names (replay's one, sweep's
+    grid): `backend_options(args)` lists them; they are added for one invocation and dropped after it, so the
+    command as declared (another invocation's --help, the docs site) never shows what an earlier one loaded."""
+
+    def backend_options(self, args: list[str]) -> list[click.Option]:
+        raise NotImplementedError
+
+    def _drop_backend_options(self) -> None:
+        self.params = [p for p in self.params if not getattr(p, "_from_backend", False)]
+
+    def parse_args(self, ctx, args):
+        self._drop_backend_options()
+        for opt in self.backend_options(args):
+            opt._from_backend = True
+            self.params.append(opt)
+        try:
+            return super().parse_args(ctx, args)
+        except BaseException:  # --help, a usage error: the invocation ends here
+            self._drop_backend_options()
+            raise
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        finally:
+            self._drop_backend_options()
+
+
 class FriendlyGroup(LazyGroup):
     def invoke(self, ctx):
         try:

@@ -10,6 +10,7 @@ import sys
 import click
 
 from kvbench import options
+from kvbench.cli import BackendOptionsCommand
 from kvbench.cli.replay_options import DEFAULT_BACKEND, ReplayOptions
 from kvbench.errors import KvbenchError
 from kvbench.metrics.failures import check_failure_rate, describe
@@ -28,25 +29,14 @@ def _backend_from_args(args: list[str]) -> str:
     return DEFAULT_BACKEND
 
 
-class ReplayCommand(click.Command):
-    """Adds the chosen backend's own options before parsing, so `--help` and errors speak of them."""
+class ReplayCommand(BackendOptionsCommand):
+    """Takes the chosen backend's own options, so `--help` and errors speak of them."""
 
-    def parse_args(self, ctx, args):
-        self._add_backend_options(_backend_from_args(args))
-        return super().parse_args(ctx, args)
-
-    def _add_backend_options(self, name: str) -> None:
-        if getattr(self, "_backend_loaded", None) == name:
-            return
+    def backend_options(self, args):
         try:
-            backend = load_backend(name)
+            return load_backend(_backend_from_args(args)).cli_options()
         except KeyError as exc:
             raise click.BadParameter(exc.args[0], param_hint="--backend") from None
-        self.params = [p for p in self.params if not getattr(p, "_from_backend", False)]
-        for opt in backend.cli_options():
-            opt._from_backend = True
-            self.params.append(opt)
-        self._backend_loaded = name
 
 
 @click.command(cls=ReplayCommand)

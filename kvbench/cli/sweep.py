@@ -14,6 +14,7 @@ import click
 from click.core import ParameterSource
 
 from kvbench import options
+from kvbench.cli import BackendOptionsCommand
 from kvbench.cli.compare import LazyBar
 from kvbench.cli.render import console
 from kvbench.cli.replay_options import DEFAULT_BACKEND, TRACE_CACHE_HELP
@@ -46,24 +47,20 @@ def _backends_in(args: list[str]) -> list[str]:
     return found or [DEFAULT_BACKEND]
 
 
-class SweepCommand(click.Command):
-    """Adds the declared options of every backend on the grid (as `kvbench replay` does for its one), so they
+class SweepCommand(BackendOptionsCommand):
+    """Takes the declared options of every backend on the grid (as `kvbench replay` does for its one), so they
     pass through to each point and `--help` explains them; a name two backends declare is added once."""
 
-    def parse_args(self, ctx, args):
-        self.params = [p for p in self.params if not getattr(p, "_from_backend", False)]
-        names = {p.name for p in self.params}
+    def backend_options(self, args):
+        names, out = {p.name for p in self.params}, []
         for backend in _backends_in(args):
             try:
                 options = load_backend(backend).cli_options()
             except KeyError as exc:
                 raise click.BadParameter(exc.args[0], param_hint="--backend") from None
-            for opt in options:
-                if opt.name not in names:
-                    opt._from_backend = True
-                    self.params.append(opt)
-                    names.add(opt.name)
-        return super().parse_args(ctx, args)
+            out += [opt for opt in options if opt.name not in names]
+            names |= {opt.name for opt in options}
+        return out
 
 
 def _toml_options(ctx: click.Context, raw: dict) -> dict:

@@ -132,10 +132,7 @@ def test_every_option_of_every_command_states_its_unit():
         for name in command.list_commands(ctx) if isinstance(command, click.Group) else []:
             yield from walk(command.get_command(ctx, name), [*path, name])
         for p in command.params:
-            # an option a backend plug-in adds at parse time (sweep's) is the plug-in's to document
-            if isinstance(p, click.Option) and not p.hidden and p.name not in ("help", "version") and not getattr(
-                p, "_from_backend", False
-            ):
+            if isinstance(p, click.Option) and not p.hidden and p.name not in ("help", "version"):
                 yield " ".join(path), p
 
     # `trace import`'s options are still made from each importer's signature and help dict (issue 36, point 5)
