@@ -6,7 +6,8 @@ generator's parameters, the pacing and scenario options are each one dataclass w
 - `command_options(cls)`: the same as a decorator of a click command;
 - `parse(cls, kwargs)`: a backend's keyword arguments read into the dataclass, and what is left for options
   declared elsewhere (policies', scenarios');
-- `record(config, **resolved)`: a backend's `config()` record, one key per field.
+- `record(config, **resolved)`: a backend's `config()` record, one key per field;
+- `Bounds`: the range a number must lie in, checked where the values are read (generators, policies).
 
 It is an opt-in helper: a plug-in backend may write its three methods by hand (tests/plugins has one)."""
 
@@ -23,6 +24,25 @@ UNIT_TAG = "[unit: "  # how every help states its unit, so that a test (and a re
 
 
 @dataclasses.dataclass(frozen=True)
+class Bounds:
+    """Where a numeric option's value must lie; `whole`: a count (a whole number, read as an int)."""
+
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
+    whole: bool = False
+
+    def broken(self, value: float) -> str | None:
+        """What `value` (a finite number) fails to be, e.g. "a whole number" or ">= 1", or None."""
+        if self.whole and value != int(value):
+            return "a whole number"
+        rules = ((">=", self.at_least, value.__ge__), (">", self.above, value.__gt__),
+                 ("<=", self.at_most, value.__le__), ("<", self.below, value.__lt__))  # fmt: skip
+        return next((f"{sign} {bound}" for sign, bound, holds in rules if bound is not None and not holds(bound)), None)
+
+
+@dataclasses.dataclass(frozen=True)
 class Spec:
     """What a field says about its option (the metadata `option` stores)."""
 
@@ -31,28 +51,32 @@ class Spec:
     flag: str | tuple[str, ...] | None  # "--salt/--no-salt", ("-o", "--out"); None: "--" + the field name, hyphens
     type: Any  # a click type; None: click's guess from the default
     key: str | None  # the field's name in config() when it differs (policy -> policies: the parsed list)
+    bounds: Bounds | None  # a number's range, checked by whoever reads the value (click does not)
     click: dict  # further click.Option arguments (is_flag, multiple, envvar, metavar, show_default)
 
 
-def option(default, help: str | Callable[[], str], *, unit: str, flag=None, type=None, key=None, **click_kwargs):
-    """An option as a dataclass field (a backend's or a command's); `unit` is shown in --help (GB/s means 1e9
-    bytes/s)."""
-    spec = Spec(help, unit, flag, type, key, click_kwargs)
+def option(
+    default, help: str | Callable[[], str], *, unit: str, flag=None, type=None, key=None, bounds=None, **click_kwargs
+):
+    """An option as a dataclass field (a backend's, a command's, a policy's, an importer's); `unit` is shown in
+    --help (GB/s means 1e9 bytes/s)."""
+    spec = Spec(help, unit, flag, type, key, bounds, click_kwargs)
     return dataclasses.field(default=default, metadata={"option": spec})
 
 
-def _spec(field: dataclasses.Field) -> Spec:
+def spec(field: dataclasses.Field) -> Spec:
+    """What the field says about its option."""
     return field.metadata["option"]
 
 
 def help_of(field: dataclasses.Field) -> str:
     """The field's help as written, without its unit (for a message that quotes it)."""
-    help = _spec(field).help
+    help = spec(field).help
     return help() if callable(help) else help
 
 
 def _decls(field: dataclasses.Field) -> list[str]:
-    flag = _spec(field).flag or "--" + field.name.replace("_", "-")
+    flag = spec(field).flag or "--" + field.name.replace("_", "-")
     return [flag] if isinstance(flag, str) else list(flag)
 
 
@@ -72,21 +96,20 @@ def tagged(help: str | Callable[[], str], unit: str) -> str:
     return f"{text} {UNIT_TAG}{unit}]"
 
 
+def cli_option(f: dataclasses.Field, kind: type[click.Option] = click.Option, prefix: str = "", **more) -> click.Option:
+    """The click option of one field: a `kind` of click.Option (PolicyOption, with its `more` arguments), its
+    help after `prefix` (e.g. the policy that takes it)."""
+    declared = spec(f)
+    extra = {**declared.click, **more}
+    plain_flag = extra.get("is_flag") and not any("/" in d for d in _decls(f))
+    extra.setdefault("show_default", f.default is not None and not plain_flag)
+    help = tagged(prefix + help_of(f), declared.unit)
+    return kind([*_decls(f), f.name], type=declared.type, default=f.default, help=help, **extra)
+
+
 def cli_options(cls) -> list[click.Option]:
     """The click options of a config dataclass, in field order."""
-    opts = []
-    for f in dataclasses.fields(cls):
-        spec = _spec(f)
-        extra = dict(spec.click)
-        plain_flag = extra.get("is_flag") and not any("/" in d for d in _decls(f))
-        extra.setdefault("show_default", f.default is not None and not plain_flag)
-        opts.append(
-            click.Option(
-                [*_decls(f), f.name], type=spec.type, default=f.default, help=tagged(spec.help, spec.unit),
-                **extra,
-            )
-        )  # fmt: skip
-    return opts
+    return [cli_option(f) for f in dataclasses.fields(cls)]
 
 
 def command_options(cls):
@@ -127,7 +150,7 @@ def record(config, **resolved) -> dict:
     keys are appended (options declared elsewhere)."""
     out = {}
     for f in dataclasses.fields(config):
-        out[_spec(f).key or f.name] = resolved.pop(f.name) if f.name in resolved else getattr(config, f.name)
+        out[spec(f).key or f.name] = resolved.pop(f.name) if f.name in resolved else getattr(config, f.name)
     return {**out, **resolved}
 
 

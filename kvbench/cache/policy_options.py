@@ -4,6 +4,7 @@ and an option that none of the chosen policies takes, is a KvbenchError naming t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -12,42 +13,30 @@ import click
 
 from kvbench.cache import policies as _policies
 from kvbench.errors import KvbenchError
-from kvbench.options import PolicyOption, tagged
-
-# the unit of each policy option, stated in --help (docs/architecture.md, Options); a policy that adds an
-# option adds its unit here (tests/unit/test_options.py checks that every option states one)
-UNITS = {
-    "quota": "share of the capacity 0-1, or blocks",
-    "small_fraction": "share of the capacity, 0-1",
-    "priority_duration_requests": "requests",
-    "priority_duration_s": "s (trace time)",
-    "slots": "slots",
-    "slot_similarity": "share of the prompt, 0-1",
-    "cache_reuse": "tokens",
-    "cache_ram_tokens": "tokens",
-    "vocab": "token ids",
-}
-# options that count something: whole numbers, at least this (llama-slot's; vocab as the openai backend's --vocab)
-WHOLE_AT_LEAST = {"slots": 1, "cache_reuse": 0, "cache_ram_tokens": 0, "vocab": 64}
+from kvbench.options import PolicyOption, cli_option, spec
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _declared() -> dict[str, tuple[dataclasses.Field, frozenset[str], str]]:
+    """Each policy option by name: its field (help, unit, bounds), the policies that take it, and the first."""
+    out: dict = {}
+    for pname, pol in _policies.registry().items():
+        for f in _policies.option_fields(pol):
+            field, takers, first = out.get(f.name, (f, frozenset(), pname))
+            out[f.name] = (field, takers | {pname}, first)
+    return out
+
+
 def policy_option_params() -> list[click.Option]:
     """The options some policies take (quotas, priorities' duration, …), one per name, for any backend that
-    drives the policies; `parse_policy_options` reads their values."""
-    registry, opts, seen = _policies.registry(), [], set()
-    for pname, pol in registry.items():
-        for oname, help in pol.options.items():
-            if oname not in seen:
-                seen.add(oname)
-                takers = frozenset(p for p, other in registry.items() if oname in other.options)
-                text = f"[{pname}] {help}"
-                text = tagged(text, UNITS[oname]) if oname in UNITS else text
-                opts.append(PolicyOption([flag(oname), oname], default=None, help=text, policies=takers))
-    return opts
+    drives the policies; `parse_policy_options` reads and checks their values (click takes them as text)."""
+    return [
+        cli_option(f, PolicyOption, prefix=f"[{first}] ", policies=takers)
+        for f, takers, first in _declared().values()
+    ]
 
 
 def _number(name: str, text) -> float:
@@ -114,39 +103,35 @@ def parse_quota(value: str) -> dict[str, float]:
     return {str(k): _quota_share(str(k), v, repr(value)) for k, v in data.items()}
 
 
-def _parse_option(name: str, value):
-    """Policy options arrive as text from the CLI (or as numbers and dicts from Python callers)."""
-    if name == "quota":
+def _parse_option(name: str, value, field: dataclasses.Field):
+    """Policy options arrive as text from the CLI (or as numbers and dicts from Python callers); a number is
+    checked against its field's bounds, and a count (`whole`) is read as an int."""
+    if name == "quota":  # the one option that is a mapping (tenant -> quota), not a number
         return parse_quota(value) if isinstance(value, str) else {k: _quota_share(k, v, "") for k, v in value.items()}
     number = _number(name, value)
-    if name == "small_fraction" and not 0 < number <= 1:
-        raise KvbenchError(f"{flag(name)} {value!r} must be a share of the capacity in (0, 1]")
-    if name.startswith("priority_duration") and number < 0:
-        raise KvbenchError(f"{flag(name)} {value!r} must be >= 0")
-    if name == "priority_duration_requests" and number != int(number):
-        raise KvbenchError(f"{flag(name)} {value!r} must be a whole number of requests")
-    if name in WHOLE_AT_LEAST:
-        if number != int(number) or number < WHOLE_AT_LEAST[name]:
-            least = WHOLE_AT_LEAST[name]
-            raise KvbenchError(f"{flag(name)} {value!r} must be a whole number >= {least} ({UNITS[name]})")
-        return int(number)
-    if name == "slot_similarity" and not 0 <= number <= 1:
-        raise KvbenchError(f"{flag(name)} {value!r} must be a share of the prompt in [0, 1] (0 turns it off)")
-    return number
+    declared = spec(field)
+    bounds = declared.bounds
+    broken = bounds.broken(number) if bounds is not None else None
+    if broken:
+        raise KvbenchError(f"{flag(name)} {value!r} must be {broken} ({declared.unit})")
+    return int(number) if bounds is not None and bounds.whole else number
 
 
 def parse_policy_options(values: dict, policies: list[str] | None = None) -> dict:
     """The given options, read and checked. With `policies` (the chosen names), an option that none of them
     takes is an error: silently ignoring `--quota` under lru would report a run the user did not ask for."""
     given = {k: v for k, v in values.items() if v is not None}
+    declared = _declared()
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise KvbenchError(f"no policy takes the option(s) {', '.join(map(flag, unknown))}")
     if policies is not None:
-        registry = _policies.registry()
         for name in given:
-            if not any(name in registry[p].options for p in policies):
-                takers = ", ".join(p for p, pol in registry.items() if name in pol.options)
+            if not declared[name][1] & set(policies):
+                takers = ", ".join(sorted(declared[name][1]))
                 chosen = ",".join(policies)
                 raise KvbenchError(f"{flag(name)} is an option of {takers}; --policy {chosen} does not use it")
-    parsed = {k: _parse_option(k, v) for k, v in given.items()}
+    parsed = {k: _parse_option(k, v, declared[k][0]) for k, v in given.items()}
     if "priority_duration_requests" in parsed and "priority_duration_s" in parsed:
         raise KvbenchError("give --priority-duration-requests or --priority-duration-s, not both")
     return parsed

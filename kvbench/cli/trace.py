@@ -98,6 +98,15 @@ def gen() -> None:
 # --- import / export ---------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class ImportOptions:
+    """The options of every `import` command (each format adds its own: `Importer.options`)."""
+
+    out: str = options.option(
+        None, "output Parquet trace", unit="path", flag=("-o", "--out"), type=click.Path(dir_okay=False), required=True
+    )
+
+
 def _import_command(imp: importers.Importer) -> click.Command:
     def run(src, out, **options):
         options = {k: v for k, v in options.items() if v is not None}
@@ -119,21 +128,9 @@ def _import_command(imp: importers.Importer) -> click.Command:
 
     params = [
         click.Argument(["src"], type=click.Path(exists=True)),
-        click.Option(["-o", "--out"], type=click.Path(dir_okay=False), required=True, help="output Parquet trace"),
+        *options.cli_options(ImportOptions),
+        *options.cli_options(imp.options),
     ]
-    for name, p in list(inspect.signature(imp.read).parameters.items())[1:]:
-        if name == "progress":  # the command's own callback, not an option
-            continue
-        flag, help = "--" + name.replace("_", "-"), imp.option_help.get(name, "")
-        if isinstance(p.default, bool):
-            params.append(click.Option([flag, name], is_flag=True, default=p.default, help=help))
-        elif name == "time_unit":
-            params.append(click.Option([flag, name], type=click.Choice(["s", "ms", "us"]), default=None, help=help))
-        else:
-            kind = {int: int, float: float}.get(type(p.default), int if name == "block_size" else str)
-            params.append(
-                click.Option([flag, name], type=kind, default=p.default, help=help, show_default=p.default is not None)
-            )
     return click.Command(
         imp.name,
         callback=run,

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
 
 import click
@@ -194,11 +195,18 @@ class TraceCacheUser(Protocol):
     ) -> Iterator[PointResult | Skipped]: ...
 
 
-_MEMBERS: dict[str, tuple[str, ...]] = {  # what each kind must define on its class (pacing and slo: instances)
-    "offline": ("cli_options", "config", "replay"),
-    "streaming": ("cli_options", "config", "replay", "replay_stream"),
-    "online": ("cli_options", "config", "connect", "send", "extra"),
-}
+def methods_of(protocol: type) -> tuple[str, ...]:
+    """The methods a protocol declares, its bases' first: what a class of that kind must define (its data
+    members, pacing and slo of the online one, belong to instances and are not checked here)."""
+    names: list[str] = []
+    for base in reversed(protocol.__mro__):
+        if base is Protocol or not getattr(base, "_is_protocol", False):
+            continue
+        for member, value in vars(base).items():
+            method = isinstance(value, FunctionType | classmethod | staticmethod)
+            if method and not member.startswith("_") and member not in names:
+                names.append(member)
+    return tuple(names)
 
 
 def protocol_of(backend, name: str | None = None) -> type:
@@ -214,7 +222,7 @@ def protocol_of(backend, name: str | None = None) -> type:
             f"backend {name} implements none of the kvbench backend protocols (kvbench.run.backend): "
             f"{cls.__module__}.{cls.__qualname__} {declared}; declare one of {kinds}"
         )
-    missing = [m for m in _MEMBERS[kind] if not callable(getattr(cls, m, None))]
+    missing = [m for m in methods_of(PROTOCOLS[kind]) if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(
             f"backend {name} implements none of the kvbench backend protocols (kvbench.run.backend): "

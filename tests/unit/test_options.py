@@ -5,6 +5,7 @@ states its unit."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import click
 import pytest
@@ -135,13 +136,7 @@ def test_every_option_of_every_command_states_its_unit():
             if isinstance(p, click.Option) and not p.hidden and p.name not in ("help", "version"):
                 yield " ".join(path), p
 
-    # `trace import`'s options are still made from each importer's signature and help dict (issue 36, point 5)
-    pending = ("trace import ",)
-    missing = [
-        f"kvbench {path} {p.opts[0]}"
-        for path, p in walk(main, [])
-        if not unit_of(p) and not (path + " ").startswith(pending)
-    ]
+    missing = [f"kvbench {path} {p.opts[0]}" for path, p in walk(main, []) if not unit_of(p)]
     assert not missing, f"these options' help states no [unit: …]: {missing}"
 
 
@@ -150,3 +145,30 @@ def test_commands_that_talk_to_a_server_take_served_model_only():
     for command in (["calibrate"], ["fidelity"], ["audit", "isolation"]):
         shown = runner.invoke(main, [*command, "--help"])
         assert "--served-model TEXT" in shown.stdout and "\n  --model" not in shown.stdout
+
+
+def test_bounds_say_what_a_value_fails_to_be():
+    count = options.Bounds(at_least=1, at_most=4, whole=True)
+    assert [count.broken(v) for v in (0, 1, 2.5, 4, 5)] == [">= 1", None, "a whole number", None, "<= 4"]
+    share = options.Bounds(above=0, below=1)
+    assert [share.broken(v) for v in (0, 0.5, 1)] == ["> 0", None, "< 1"]
+
+
+def test_policy_options_are_their_policies_fields():
+    from kvbench.cache import policies
+    from kvbench.cache.policy_options import parse_policy_options, policy_option_params
+
+    declared = {f.name: name for name, pol in policies.registry().items() for f in policies.option_fields(pol)}
+    params = {p.name: p for p in policy_option_params()}
+    assert set(params) == set(declared) and declared  # one click option per field, none kept elsewhere
+    for name, param in params.items():
+        assert param.policies == {declared[name]} and param.help.startswith(f"[{declared[name]}] ")
+    # a field's bounds are what the value is checked against; a count comes back an int
+    assert parse_policy_options({"slots": "3", "small_fraction": "0.5"}) == {"slots": 3, "small_fraction": 0.5}
+    with pytest.raises(KvbenchError, match=r"--slots '0' must be >= 1 \(slots\)"):
+        parse_policy_options({"slots": "0"})
+    with pytest.raises(KvbenchError, match="no policy takes the option"):
+        parse_policy_options({"slotz": "3"})
+    result = CliRunner().invoke(main, ["replay", "x.parquet", "--backend", "sim", "--help"], terminal_width=200)
+    shown = r"--small-fraction TEXT +\[s3fifo\] S3-FIFO: .* \[unit: share of the capacity, 0-1\]"
+    assert re.search(shown, result.stdout)

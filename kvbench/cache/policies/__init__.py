@@ -12,9 +12,10 @@ capped at `trace.max_hit[i]`), then the cache update.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -82,7 +83,8 @@ class Policy:
     kernel: Callable[..., SimOutput]
     reference: Callable[..., SimOutput]
     needs: tuple[str, ...] = ()  # trace columns the policy cannot work without (e.g. "tenant")
-    options: dict[str, str] = field(default_factory=dict)  # option name -> help (with units)
+    # the options it takes: a dataclass of `kvbench.options.option` fields (help, unit, bounds), or None
+    options: type | None = None
     stack: bool = False  # a stack algorithm: the one-pass curve applies
     carry: type[Carry] | None = None  # resumable form, for traces streamed in bounded memory
     # the reference as a PrefixCache class: begin/end per request, for callers whose requests overlap in time
@@ -116,7 +118,7 @@ def policy(
     *,
     reference: Callable,
     needs: tuple[str, ...] = (),
-    options: dict | None = None,
+    options: type | None = None,
     stack: bool = False,
     carry: type[Carry] | None = None,
     cache: type | None = None,
@@ -128,11 +130,16 @@ def policy(
     def wrap(kernel):
         summary = (kernel.__doc__ or name).strip().splitlines()[0]
         checked = _checked(kernel)
-        pol = Policy(name, summary, checked, reference, needs, options or {}, stack, carry, cache, extend, blocks)
+        pol = Policy(name, summary, checked, reference, needs, options, stack, carry, cache, extend, blocks)
         _REGISTRY.add(name, pol)
         return checked
 
     return wrap
+
+
+def option_fields(pol: Policy) -> tuple[dataclasses.Field, ...]:
+    """The fields of the options `pol` takes (none for most policies)."""
+    return dataclasses.fields(pol.options) if pol.options is not None else ()
 
 
 registry = _REGISTRY.all

@@ -29,6 +29,8 @@ Salts are ignored (llama.cpp has none) only in token mode: block keys are salted
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kvbench.cache.policies import SimOutput, policy
@@ -36,22 +38,52 @@ from kvbench.cache.policies.llama_slot_tokens import with_tokens
 from kvbench.cache.prepared import PreparedTrace
 from kvbench.cache.reference import PrefixCache
 from kvbench.errors import KvbenchError
+from kvbench.options import Bounds, option
 
 AUTO_SLOTS = 4  # llama-server's `--parallel -1` (its default): 4 slots, unified KV
 DEFAULT_SIMILARITY = 0.1  # --slot-prompt-similarity
 CTX_PAD = 256  # llama_context pads --ctx-size (and the per-slot context) up to a multiple of 256 tokens
-OPTIONS = {
-    "slots": "llama-server --parallel: its slots, each with its own context of ctx-size/slots [default: 4 "
-    "slots sharing one unified context, what llama-server does when --parallel is not given]",
-    "slot_similarity": "llama-server --slot-prompt-similarity: the prompt share a slot's cached prefix must "
-    "exceed to be chosen over the least recently used slot; 0 turns it off [default: 0.1]",
-    "cache_reuse": "llama-server --cache-reuse: smallest matching chunk shifted into place after the common "
-    "prefix; 0 = off [default: 0]",
-    "cache_ram_tokens": "llama-server's host prompt cache (--cache-ram MiB divided by the model's KV bytes per "
-    "token); 0 = --cache-ram 0 [default: no limit, as 8 GiB holds millions of a small model's tokens]",
-    "vocab": "the live run's --vocab: predict from the tokens `--backend openai` sends, token by token "
-    "(sim backend only) [default: block keys stand for tokens]",
-}
+
+
+@dataclass(frozen=True)
+class SlotOptions:
+    """llama-slot's options, llama-server's flags (read and checked by `kvbench.cache.policy_options`)."""
+
+    slots: int | None = option(
+        None,
+        "llama-server --parallel: its slots, each with its own context of ctx-size/slots [default: 4 slots "
+        "sharing one unified context, what llama-server does when --parallel is not given]",
+        unit="slots",
+        bounds=Bounds(at_least=1, whole=True),
+    )
+    slot_similarity: float | None = option(
+        None,
+        "llama-server --slot-prompt-similarity: the prompt share a slot's cached prefix must exceed to be "
+        "chosen over the least recently used slot; 0 turns it off [default: 0.1]",
+        unit="share of the prompt, 0-1",
+        bounds=Bounds(at_least=0, at_most=1),
+    )
+    cache_reuse: int | None = option(
+        None,
+        "llama-server --cache-reuse: smallest matching chunk shifted into place after the common prefix; "
+        "0 = off [default: 0]",
+        unit="tokens",
+        bounds=Bounds(at_least=0, whole=True),
+    )
+    cache_ram_tokens: int | None = option(
+        None,
+        "llama-server's host prompt cache (--cache-ram MiB divided by the model's KV bytes per token); 0 = "
+        "--cache-ram 0 [default: no limit, as 8 GiB holds millions of a small model's tokens]",
+        unit="tokens",
+        bounds=Bounds(at_least=0, whole=True),
+    )
+    vocab: int | None = option(
+        None,
+        "the live run's --vocab: predict from the tokens `--backend openai` sends, token by token (sim backend "
+        "only) [default: block keys stand for tokens]",
+        unit="token ids",
+        bounds=Bounds(at_least=64, whole=True),
+    )
 
 
 def _pad(n: int) -> int:
@@ -306,7 +338,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return LlamaSlots(trace, capacity, options).run()
 
 
-@policy("llama-slot", reference=reference, cache=LlamaSlots, options=OPTIONS, extend=with_tokens, blocks=False)
+@policy("llama-slot", reference=reference, cache=LlamaSlots, options=SlotOptions, extend=with_tokens, blocks=False)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """llama.cpp server: N slots of one sequence each, token LCP reuse, a host prompt cache."""
     # One implementation: each request is a handful of numpy prefix comparisons, not a per-block loop.

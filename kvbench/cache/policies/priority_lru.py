@@ -21,18 +21,33 @@ Decode blocks are not cached by the sim, so `decode_retention_priority` has noth
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvbench.cache.policies import SimOutput, policy
 from kvbench.cache.trie import PRIORITY_LRU, TrieReference, run_leaf_kernel
+from kvbench.options import Bounds, option
 from kvbench.trace.schema import DEFAULT_PRIORITY
 
-OPTIONS = {
-    "priority_duration_requests": "requests after a block's last use until its priority reverts to 35 (default: never)",
-    "priority_duration_s": "seconds (trace time) after a block's last use until its priority reverts to 35 "
-    "(TensorRT-LLM duration_ms / 1000; default: never)",
-}
+
+@dataclass(frozen=True)
+class PriorityOptions:
+    """priority-lru's options (one of the two, read and checked by `kvbench.cache.policy_options`)."""
+
+    priority_duration_requests: int | None = option(
+        None,
+        "requests after a block's last use until its priority reverts to 35 (default: never)",
+        unit="requests",
+        bounds=Bounds(at_least=0, whole=True),
+    )
+    priority_duration_s: float | None = option(
+        None,
+        "seconds (trace time) after a block's last use until its priority reverts to 35 (TensorRT-LLM "
+        "duration_ms / 1000; default: never)",
+        unit="s (trace time)",
+        bounds=Bounds(at_least=0),
+    )
 
 
 def expiry(trace, options) -> np.ndarray:
@@ -105,7 +120,7 @@ def reference(trace, capacity, options=None) -> SimOutput:
     return _PriorityLruReference(trace, capacity, options).run()
 
 
-@policy("priority-lru", reference=reference, cache=_PriorityLruReference, options=OPTIONS)
+@policy("priority-lru", reference=reference, cache=_PriorityLruReference, options=PriorityOptions)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """TensorRT-LLM retention priorities: evict the lowest-priority leaf, LRU within a priority."""
     return run_leaf_kernel(

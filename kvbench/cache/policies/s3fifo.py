@@ -23,14 +23,28 @@ the tenant that inserted them (for the evictor x victim matrix).
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvbench.cache.compiled import SIM_OUT, i4, i8, kernel_fn
 from kvbench.cache.policies import SimOutput, policy
 from kvbench.cache.reference import PrefixCache
+from kvbench.options import Bounds, option
 
 DEFAULT_SMALL_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class S3FifoOptions:
+    """S3-FIFO's option (read and checked by `kvbench.cache.policy_options`)."""
+
+    small_fraction: float | None = option(
+        None,
+        "S3-FIFO: share of the capacity for the small (probation) FIFO (default 0.1)",
+        unit="share of the capacity, 0-1",
+        bounds=Bounds(above=0, at_most=1),
+    )
 MAX_FREQ = 3
 
 
@@ -214,7 +228,7 @@ def _s3fifo(keys, offsets, max_hit, tenant, n_keys, n_tenants, capacity, main_ca
     "s3fifo",
     reference=reference,
     cache=_S3FifoReference,
-    options={"small_fraction": "S3-FIFO: share of the capacity for the small (probation) FIFO (default 0.1)"},
+    options=S3FifoOptions,
 )
 def kernel(trace, capacity, options=None) -> SimOutput:
     """S3-FIFO (SOSP'23): small probation FIFO, main FIFO with 2-bit frequency, ghost of evicted keys."""

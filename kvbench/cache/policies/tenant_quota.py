@@ -14,6 +14,8 @@ the capacity only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kvbench.cache.compiled import SIM_OUT, i4, i8, kernel_fn
@@ -32,11 +34,19 @@ from kvbench.cache.trie import (
     new_nodes,
     sift_down,
 )
+from kvbench.options import option
 
-OPTIONS = {
-    "quota": "tenant name -> share of the capacity (float 0..1) or blocks (int); '*' for tenants not "
-    "listed (default: no cap below the capacity)"
-}
+
+@dataclass(frozen=True)
+class QuotaOptions:
+    """tenant-quota's option (read and checked by `kvbench.cache.policy_options`)."""
+
+    quota: str | dict | None = option(
+        None,
+        "tenant name -> share of the capacity (float 0..1) or blocks (int); '*' for tenants not listed "
+        "(default: no cap below the capacity)",
+        unit="share of the capacity 0-1, or blocks",
+    )
 
 
 def _blocks(value, capacity: int) -> int:
@@ -254,7 +264,7 @@ def _tenant_quota(parent, keys, offsets, max_hit, tenant, n_tenants, capacity, q
     return hit_blocks, evictions, matrix, filled_at
 
 
-@policy("tenant-quota", reference=reference, cache=_TenantQuotaReference, needs=("tenant",), options=OPTIONS)
+@policy("tenant-quota", reference=reference, cache=_TenantQuotaReference, needs=("tenant",), options=QuotaOptions)
 def kernel(trace, capacity, options=None) -> SimOutput:
     """Per-tenant caps: a tenant at its quota evicts its own LRU leaf, else tenants at quota give way first."""
     out = _tenant_quota(

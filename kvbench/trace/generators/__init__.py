@@ -167,17 +167,8 @@ def param(default, help: str, *, unit: str, flag=None, at_least=None, above=None
     option, before anything is drawn."""
     if at_least is None and above is None:
         at_least = 0
-    bounds = {"at_least": at_least, "above": above, "at_most": at_most, "below": below}
-    field = options.option(default, help, unit=unit, flag=flag)
-    return dataclasses.field(default=default, metadata={**field.metadata, "bounds": bounds})
-
-
-_BOUND_RULES = {
-    "at_least": (">=", lambda v, b: v >= b),
-    "above": (">", lambda v, b: v > b),
-    "at_most": ("<=", lambda v, b: v <= b),
-    "below": ("<", lambda v, b: v < b),
-}
+    bounds = options.Bounds(at_least=at_least, above=above, at_most=at_most, below=below)
+    return options.option(default, help, unit=unit, flag=flag, bounds=bounds)
 
 
 def check_params(params) -> None:
@@ -190,7 +181,7 @@ def check_params(params) -> None:
         option = "--" + f.name.replace("_", "-")
         if not math.isfinite(value):
             raise BadParameter(f"{option} {value!r} must be a finite number ({options.help_of(f)})")
-        for rule, bound in f.metadata.get("bounds", {}).items():
-            sign, holds = _BOUND_RULES[rule]
-            if bound is not None and not holds(value, bound):
-                raise BadParameter(f"{option} {value!r} must be {sign} {bound} ({options.help_of(f)})")
+        bounds = getattr(f.metadata.get("option"), "bounds", None)
+        broken = bounds and bounds.broken(value)
+        if broken:
+            raise BadParameter(f"{option} {value!r} must be {broken} ({options.help_of(f)})")

@@ -9,20 +9,38 @@ validated trace file in bounded memory (mooncake, azure, burstgpt); the others b
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
 from kvbench.errors import TraceFormatError
+from kvbench.options import option
 from kvbench.registry import Registry
 
-# Help for the keyword options importers commonly take; an importer adds its own through `options=`.
-COMMON_OPTIONS = {
-    "block_size": "tokens per hash block of the source (the format documents its own)",
-    "time_unit": "unit of the source's timestamps (s, ms or us) when it differs from the format's documented one",
-    "workload": "workload label to put on every request [default: per format]",
-}
+# The options importers commonly take, as `kvbench.options.option` fields of an importer's options dataclass.
+BLOCK_SIZE_HELP = "tokens per hash block of the source (the format documents its own)"
+
+
+def block_size_option(default: int | None, help: str = BLOCK_SIZE_HELP):
+    return option(default, help, unit="tokens", type=int)
+
+
+def time_unit_option():
+    return option(
+        None,
+        "unit of the source's timestamps (s, ms or us) when it differs from the format's documented one",
+        unit="name",
+        type=click.Choice(["s", "ms", "us"]),
+    )
+
+
+def workload_option(help: str = "workload label to put on every request [default: per format]"):
+    return option(None, help, unit="name")
 
 
 @dataclass(frozen=True)
@@ -30,23 +48,34 @@ class Importer:
     name: str
     read: Callable
     summary: str
-    option_help: dict[str, str]
+    options: type  # a dataclass of its keyword options (`kvbench.options.option` fields): `trace import`'s options
     write: Callable | None = None  # streamed form: (src, out, **options) -> rows written
 
 
 _REGISTRY: Registry[Importer] = Registry(__name__, "trace format")
 
 
-def importer(name: str, options: dict[str, str] | None = None, write: Callable | None = None):
-    """Register `fn(src, **options)`; `options` documents its keyword options beyond COMMON_OPTIONS; `write`
-    is its streamed form, if it has one (same options, plus the output path)."""
+def importer(name: str, options: type, write: Callable | None = None):
+    """Register `fn(src, **options)`; `options` declares its keyword options (each with its help and unit),
+    which must be fn's own, with the same defaults; `write` is its streamed form, if it has one (same options,
+    plus the output path)."""
 
     def wrap(fn):
+        _check_options(name, fn, options)
         summary = (fn.__doc__ or name).strip().splitlines()[0]
-        _REGISTRY.add(name, Importer(name, fn, summary, {**COMMON_OPTIONS, **(options or {})}, write))
+        _REGISTRY.add(name, Importer(name, fn, summary, options, write))
         return fn
 
     return wrap
+
+
+def _check_options(name: str, fn: Callable, options: type) -> None:
+    """The declared options are the reader's keyword arguments (less `progress`, the command's callback), in
+    its order and with its defaults: a Python caller and `kvbench trace import` then read a trace alike."""
+    params = [p for p in list(inspect.signature(fn).parameters.values())[1:] if p.name != "progress"]
+    declared = [(f.name, f.default) for f in dataclasses.fields(options)]
+    if declared != [(p.name, p.default) for p in params]:
+        raise TypeError(f"importer {name}: {options.__name__} declares {declared}, but {fn.__name__} takes {params}")
 
 
 registry = _REGISTRY.all

@@ -11,6 +11,7 @@ by block; the week-long 2024 traces hold tens of millions of requests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import pyarrow.compute as pc
 from kvbench.errors import TraceFormatError
 from kvbench.trace.blockhash import name_key
 from kvbench.trace.files import new_meta
-from kvbench.trace.importers import importer
+from kvbench.trace.importers import block_size_option, importer, workload_option
 from kvbench.trace.importers._csv import CsvFile, FirstErrors, parse_datetimes
 from kvbench.trace.importers._ids import unique_block_ids
 from kvbench.trace.schema import conform
@@ -105,7 +106,13 @@ def write_azure(
     return writer.rows
 
 
-@importer("azure", write=write_azure)
+@dataclass(frozen=True)
+class AzureOptions:
+    block_size: int = block_size_option(16)
+    workload: str | None = workload_option()
+
+
+@importer("azure", AzureOptions, write=write_azure)
 def read_azure(src: Path, block_size: int = 16, workload: str | None = None):
     """Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens; no prefix identity)."""
     src = Path(src)

@@ -14,6 +14,7 @@ behave as prefix-chained ids and chained otherwise (`rechained` in the metadata)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import pyarrow as pa
 
 from kvbench.errors import TraceFormatError
 from kvbench.trace.files import new_meta
-from kvbench.trace.importers import importer, read_jsonl, require
+from kvbench.trace.importers import block_size_option, importer, read_jsonl, require, time_unit_option, workload_option
 from kvbench.trace.importers._ids import check_block_counts, prefix_chained
 from kvbench.trace.schema import conform
 
@@ -155,7 +156,14 @@ def _columns(rows: _Rows, src: Path, arrival: np.ndarray, block_hashes, workload
     return columns
 
 
-@importer("bailian")
+@dataclass(frozen=True)
+class BailianOptions:
+    block_size: int = block_size_option(16)
+    time_unit: str | None = time_unit_option()
+    workload: str | None = workload_option()
+
+
+@importer("bailian", BailianOptions)
 def read_bailian(src: Path, block_size: int = 16, time_unit: str | None = None, workload: str | None = None):
     """Alibaba Bailian (Qwen) JSONL (timestamp s, 16-token blocks, chat_id/parent_chat_id sessions)."""
     src = Path(src)

@@ -13,6 +13,7 @@ metadata's counts), then conversion block by block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.errors import TraceFormatError
+from kvbench.options import option
 from kvbench.trace.blockhash import name_key
 from kvbench.trace.files import new_meta
-from kvbench.trace.importers import importer
+from kvbench.trace.importers import block_size_option, importer, time_unit_option, workload_option
 from kvbench.trace.importers._csv import CsvFile, FirstErrors
 from kvbench.trace.importers._ids import unique_block_ids
 from kvbench.trace.schema import conform
@@ -34,7 +36,16 @@ TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 NUMBERS = (("Timestamp", float), ("Request tokens", int), ("Response tokens", int), ("Total tokens", int))
 FORMAT = "a BurstGPT"
-OPTIONS = {"drop_empty_prompts": "drop (and count) rows with 0 request tokens instead of failing"}
+
+
+@dataclass(frozen=True)
+class BurstGptOptions:
+    block_size: int = block_size_option(16)
+    time_unit: str | None = time_unit_option()
+    workload: str | None = workload_option()
+    drop_empty_prompts: bool = option(
+        False, "drop (and count) rows with 0 request tokens instead of failing", unit="on/off", is_flag=True
+    )
 
 
 def _parse(f: CsvFile, errors: FirstErrors | None = None) -> dict:
@@ -167,7 +178,7 @@ def write_burstgpt(
     return writer.rows
 
 
-@importer("burstgpt", options=OPTIONS, write=write_burstgpt)
+@importer("burstgpt", BurstGptOptions, write=write_burstgpt)
 def read_burstgpt(
     src: Path,
     block_size: int = 16,

@@ -27,15 +27,17 @@ error.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from kvbench.errors import TraceFormatError
+from kvbench.options import option
 from kvbench.trace.blockhash import chain_ids, content_ids, is_prefix_consistent, mix, name_key
 from kvbench.trace.files import new_meta
-from kvbench.trace.importers import importer, require
+from kvbench.trace.importers import block_size_option, importer, require, workload_option
 from kvbench.trace.schema import conform
 
 REQUEST_TYPES = ("n", "s")  # non-streaming; streaming (older traces, paired with an "n" of the same turn)
@@ -288,12 +290,16 @@ def _table(convs: list[_Conversation], hashes: dict[str, pa.ListArray], workload
     return table
 
 
-@importer(
-    "kv-cache-tester",
-    options={
-        "stagger_s": "seconds between the starts of consecutive conversations of a directory (0 = all start together)"
-    },
-)
+@dataclass(frozen=True)
+class KvCacheTesterOptions:
+    block_size: int | None = block_size_option(None, "tokens per hash id, the files' own [default: read from them]")
+    workload: str | None = workload_option()
+    stagger_s: float = option(
+        0.0, "seconds between the starts of consecutive conversations of a directory (0 = all start together)", unit="s"
+    )
+
+
+@importer("kv-cache-tester", KvCacheTesterOptions)
 def read_kv_cache_tester(src: Path, block_size: int | None = None, workload: str | None = None, stagger_s: float = 0.0):
     """kv-cache-tester agentic coding traces (JSON per conversation, or a directory; 64-token local hash ids).
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 from kvbench.errors import TraceFormatError
 from kvbench.trace.blockhash import chain_ids, name_key
 from kvbench.trace.files import ROW_GROUP_SIZE, new_meta
-from kvbench.trace.importers import importer, read_jsonl, require
+from kvbench.trace.importers import block_size_option, importer, read_jsonl, require, time_unit_option, workload_option
 from kvbench.trace.importers._ids import BlockCounts, PrefixConsistency
 from kvbench.trace.schema import conform
 from kvbench.trace.writer import TraceWriter
@@ -180,7 +180,14 @@ def write_mooncake(
     return writer.rows
 
 
-@importer("mooncake", write=write_mooncake)
+@dataclass(frozen=True)
+class MooncakeOptions:
+    block_size: int = block_size_option(512)
+    time_unit: str | None = time_unit_option()
+    workload: str | None = workload_option()
+
+
+@importer("mooncake", MooncakeOptions, write=write_mooncake)
 def read_mooncake(src: Path, block_size: int = 512, time_unit: str | None = None, workload: str | None = None):
     """Mooncake JSONL (timestamp in ms, 512-token blocks, prefix-chained hash_ids)."""
     src, survey, meta = _prepare(src, block_size, time_unit, workload, BATCH_RECORDS)

@@ -29,15 +29,17 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from kvbench.errors import KvbenchError, TraceFormatError
+from kvbench.options import option
 from kvbench.trace import keyed
 from kvbench.trace.files import new_meta
-from kvbench.trace.importers import importer
+from kvbench.trace.importers import block_size_option, importer, workload_option
 from kvbench.trace.schema import conform
 from kvbench.trace.tokenizer import LocalTokenizer, NotTokenizable, UpstreamTokenizer
 
@@ -238,29 +240,58 @@ COLUMN_TYPES = {
 }  # fmt: skip
 
 
-@importer(
-    "openai-log",
-    options={
-        "block_size": "tokens per hash block (the engine's KV block/page size, e.g. vLLM's 16)",
-        "tokenizer": "path of a tokenizer.json (read with the tokenizers package; chat messages rendered as "
-        "role/content lines); this or --tokenize-url",
-        "tokenize_url": "base URL of the engine whose /tokenize gives the token ids (vLLM, SGLang; chat "
-        "template applied there), e.g. http://localhost:8000",
-        "time_field": "field holding each line's time, dots reaching inside (e.g. meta.ts); ISO 8601 or epoch "
-        "s/ms/us (told apart by size) [default: the line's timestamp, time, created, created_at, start_time, startTime "
-        "or request_time, else the response's created]",
-        "gap_s": "seconds between consecutive requests when the log has no timestamps at all",
-        "output_tokens": "output tokens assumed for a request with neither usage.completion_tokens nor max_tokens "
-        "[default: such a line is an error]",
-        "session_field": "field naming the session (dots reach inside) [default: metadata session_id, "
-        "conversation_id, thread_id or header x-session-id]",
-        "tenant_field": "field naming the tenant [default: metadata tenant, tenant_id, org_id or header "
-        "x-tenant-id, openai-organization]",
-        "skip_bad_lines": "skip lines that cannot be read, count them and list their numbers on stderr and in the "
-        "trace's source metadata [default: the first is an error naming file and line]",
-        "workload": "workload label on every request [default: openai-log]",
-    },
-)
+@dataclass(frozen=True)
+class OpenAiLogOptions:
+    tokenizer: str | None = option(
+        None,
+        "path of a tokenizer.json (read with the tokenizers package; chat messages rendered as role/content "
+        "lines); this or --tokenize-url",
+        unit="path",
+    )
+    tokenize_url: str | None = option(
+        None,
+        "base URL of the engine whose /tokenize gives the token ids (vLLM, SGLang; chat template applied "
+        "there), e.g. http://localhost:8000",
+        unit="URL",
+    )
+    block_size: int = block_size_option(16, "tokens per hash block (the engine's KV block/page size, e.g. vLLM's 16)")
+    time_field: str | None = option(
+        None,
+        "field holding each line's time, dots reaching inside (e.g. meta.ts); ISO 8601 or epoch s/ms/us (told "
+        "apart by size) [default: the line's timestamp, time, created, created_at, start_time, startTime or "
+        "request_time, else the response's created]",
+        unit="name",
+    )
+    gap_s: float = option(0.0, "seconds between consecutive requests when the log has no timestamps at all", unit="s")
+    output_tokens: int | None = option(
+        None,
+        "output tokens assumed for a request with neither usage.completion_tokens nor max_tokens [default: "
+        "such a line is an error]",
+        unit="tokens",
+    )
+    session_field: str | None = option(
+        None,
+        "field naming the session (dots reach inside) [default: metadata session_id, conversation_id, "
+        "thread_id or header x-session-id]",
+        unit="name",
+    )
+    tenant_field: str | None = option(
+        None,
+        "field naming the tenant [default: metadata tenant, tenant_id, org_id or header x-tenant-id, "
+        "openai-organization]",
+        unit="name",
+    )
+    skip_bad_lines: bool = option(
+        False,
+        "skip lines that cannot be read, count them and list their numbers on stderr and in the trace's source "
+        "metadata [default: the first is an error naming file and line]",
+        unit="on/off",
+        is_flag=True,
+    )
+    workload: str | None = workload_option("workload label on every request [default: openai-log]")
+
+
+@importer("openai-log", OpenAiLogOptions)
 def read_openai_log(
     src: Path,
     tokenizer: str | None = None,

@@ -32,10 +32,10 @@ from kvbench.errors import KvbenchError
         ({"policy": "tenant-quota", "capacity": "10", "quota": "a=2.5"}, "a quota above 1 is whole blocks"),
         ({"policy": "tenant-quota", "capacity": "10", "quota": "a=1,a=2"}, "gives tenant 'a' twice"),
         ({"policy": "tenant-quota", "capacity": "10", "quota": "missing.toml"}, "--quota 'missing.toml': no such file"),
-        ({"policy": "s3fifo", "capacity": "10", "small_fraction": "1.5"}, "--small-fraction '1.5' must be a share"),
+        ({"policy": "s3fifo", "capacity": "10", "small_fraction": "1.5"}, "--small-fraction '1.5' must be <= 1 (share of the capacity"),
         ({"policy": "s3fifo", "capacity": "10", "small_fraction": "inf"}, "--small-fraction 'inf' must be a finite"),
         ({"policy": "priority-lru", "capacity": "10", "priority_duration_s": "-1"}, "--priority-duration-s '-1'"),
-        ({"policy": "priority-lru", "capacity": "10", "priority_duration_requests": "2.5"}, "whole number of requests"),
+        ({"policy": "priority-lru", "capacity": "10", "priority_duration_requests": "2.5"}, "'2.5' must be a whole number (requests)"),
         (
             {"policy": "priority-lru", "capacity": "10", "priority_duration_s": "1", "priority_duration_requests": "1"},
             "not both",
