@@ -70,31 +70,35 @@ def up() -> None:
     """
 
 
+# the engines' own defaults (what `engines.up(name)` starts without options), shown in --help
+_VLLM, _LLAMA = engines.ENGINES.get("vllm-cpu").DEFAULTS, engines.ENGINES.get("llama-cpp").DEFAULTS
+
+
 @dataclasses.dataclass(frozen=True)
 class UpVllmOptions:
     """The options of `up_vllm`."""
 
-    port: int = options.option(8011, "TCP port on 127.0.0.1", unit="TCP port", type=click.IntRange(1, 65535))
+    port: int = options.option(_VLLM["port"], "TCP port on 127.0.0.1", unit="TCP port", type=click.IntRange(1, 65535))
     block_size: int = options.option(
-        32,
+        _VLLM["block_size"],
         "KV-cache block size in tokens (a multiple of 32 on CPU)",
         unit="tokens",
         type=click.IntRange(min=32),
     )
     max_model_len: int = options.option(
-        8192,
+        _VLLM["max_model_len"],
         "longest request, prompt plus output, in tokens",
         unit="tokens",
         type=click.IntRange(min=1),
     )
     kv_cache_gib: int = options.option(
-        1,
+        _VLLM["kv_cache_gib"],
         "KV-cache memory in GiB (VLLM_CPU_KVCACHE_SPACE); 1 GiB holds ≈2 million tokens of the tiny model",
         unit="GiB",
         type=click.IntRange(min=1),
     )
     engine_args: str = options.option(
-        "",
+        _VLLM["engine_args"],
         'extra vLLM server flags, shell-quoted, e.g. "--num-gpu-blocks-override 320" (320 blocks × block '
         "size tokens, forces eviction)",
         unit="shell words",
@@ -129,21 +133,21 @@ def up_vllm(port, block_size, max_model_len, kv_cache_gib, engine_args, restart,
 class UpLlamaOptions:
     """The options of `up_llama`."""
 
-    port: int = options.option(8012, "TCP port on 127.0.0.1", unit="TCP port", type=click.IntRange(1, 65535))
+    port: int = options.option(_LLAMA["port"], "TCP port on 127.0.0.1", unit="TCP port", type=click.IntRange(1, 65535))
     ctx_size: int = options.option(
-        8192,
+        _LLAMA["ctx_size"],
         "context (KV cache) size in tokens, shared by all slots",
         unit="tokens",
         type=click.IntRange(min=1),
     )
     engine_args: str = options.option(
-        "",
+        _LLAMA["engine_args"],
         'extra llama-server flags, shell-quoted, e.g. "--parallel 2"',
         unit="shell words",
         show_default=False,
     )
     cpus: str | None = options.option(
-        None,
+        _LLAMA["cpus"],
         "pin the server to these CPU ids (taskset's list: 1, 0,2 or 2-3; count: CPUs) and give it one compute "
         "thread per CPU (--threads, unless --engine-args sets it), so that a client on the other cores does not share "
         "them; recorded in the engine's state [default: not pinned, llama-server's own thread count]",
