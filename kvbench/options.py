@@ -14,6 +14,7 @@ It is an opt-in helper: a plug-in backend may write its three methods by hand (t
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -37,9 +38,10 @@ class Bounds:
         """What `value` (a finite number) fails to be, e.g. "a whole number" or ">= 1", or None."""
         if self.whole and value != int(value):
             return "a whole number"
-        rules = ((">=", self.at_least, value.__ge__), (">", self.above, value.__gt__),
-                 ("<=", self.at_most, value.__le__), ("<", self.below, value.__lt__))  # fmt: skip
-        return next((f"{sign} {bound}" for sign, bound, holds in rules if bound is not None and not holds(bound)), None)
+        rules = ((">=", self.at_least, operator.ge), (">", self.above, operator.gt),
+                 ("<=", self.at_most, operator.le), ("<", self.below, operator.lt))  # fmt: skip
+        broken = (f"{sign} {bound}" for sign, bound, holds in rules if bound is not None and not holds(value, bound))
+        return next(broken, None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,6 +152,7 @@ def test_bounds_say_what_a_value_fails_to_be():
     assert [count.broken(v) for v in (0, 1, 2.5, 4, 5)] == [">= 1", None, "a whole number", None, "<= 4"]
     share = options.Bounds(above=0, below=1)
     assert [share.broken(v) for v in (0, 0.5, 1)] == ["> 0", None, "< 1"]
+    assert options.Bounds(at_least=0.5).broken(0) == ">= 0.5"  # an int against a float bound
 
 
 def test_policy_options_are_their_policies_fields():
