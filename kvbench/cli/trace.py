@@ -108,19 +108,19 @@ class ImportOptions:
 
 
 def _import_command(imp: importers.Importer) -> click.Command:
-    def run(src, out, **options):
-        options = {k: v for k, v in options.items() if v is not None}
+    def run(src, out, **given):
+        given = {k: v for k, v in given.items() if v is not None}
         with console.status(f"importing {src}") as status:
             if "progress" in inspect.signature(imp.read).parameters:  # a slow reader says how far it is
 
                 def progress(done, total, what):
                     status.update(f"importing {src}: {what}, {done / max(total, 1):.0%}")
 
-                options["progress"] = progress
+                given["progress"] = progress
             if imp.write is not None:  # batch by batch, validated as it is written
-                rows = imp.write(Path(src), Path(out), **options)
+                rows = imp.write(Path(src), Path(out), **given)
             else:
-                table, meta = imp.read(Path(src), **options)
+                table, meta = imp.read(Path(src), **given)
                 check(table, meta.block_size, str(src))
                 write_trace(table, out, meta)
                 rows = table.num_rows
