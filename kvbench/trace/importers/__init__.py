@@ -22,11 +22,11 @@ from kvbench.errors import TraceFormatError
 from kvbench.options import option
 from kvbench.registry import Registry
 
+
 # The options importers commonly take, as `kvbench.options.option` fields of an importer's options dataclass.
-BLOCK_SIZE_HELP = "tokens per hash block of the source (the format documents its own)"
-
-
-def block_size_option(default: int | None, help: str = BLOCK_SIZE_HELP):
+def block_size_option(
+    default: int | None, help: str = "tokens per hash block of the source (the format documents its own)"
+):
     return option(default, help, unit="tokens", type=int)
 
 
