@@ -16,8 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "traces" / "samples"  # the sample traces committed with the repository
 CHAT = SAMPLES / "chat.parquet"
-# Public traces live beside the repository (../shared/traces), or wherever KVBENCH_SHARED points.
-SHARED_TRACES = Path(os.environ.get("KVBENCH_SHARED", REPO.parent / "shared")) / "traces"
+# The public traces and reference data live beside the repository (../shared), or wherever KVBENCH_SHARED points.
+SHARED = Path(os.environ.get("KVBENCH_SHARED", REPO.parent / "shared"))
+SHARED_TRACES = SHARED / "traces"
 
 
 # --- engines: a session stops those it started ---------------------------------------------------------

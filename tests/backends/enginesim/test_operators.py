@@ -16,11 +16,11 @@ from kvbench.backends.enginesim.operators import OperatorModel, applies, mlp_wid
 from kvbench.backends.enginesim.roofline import LatencyModel
 
 from kvbench.models import GEMM_TILES, HARDWARE, MODELS
-from tests.conftest import REPO
+from tests.conftest import REPO, SHARED
 
 H100 = HARDWARE["h100"]
 LLAMA8, LLAMA70 = MODELS["llama3-8b"], MODELS["llama3-70b"]
-VIDUR = REPO.parent / "shared" / "reference" / "vidur-h100"
+VIDUR = SHARED / "reference" / "vidur-h100"
 
 
 def test_a_one_token_gemm_reads_its_weights_once_past_a_kernel_floor():

@@ -2,8 +2,6 @@
 policy's kernel gives, and it reproduces the reference numbers of docs/semantics.md (Reference figures)."""
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,11 +11,11 @@ from kvbench.cache.curve import lru_curve
 from kvbench.cache.densify import densify
 from kvbench.cache.prepared import PreparedTrace, prepare
 from kvbench.trace.files import read_trace
-from tests.conftest import REPO
+from tests.conftest import REPO, SHARED
 
 MOONCAKE = REPO / "traces/mooncake/conversation_trace.parquet"
 SAMPLES = sorted((REPO / "traces/samples").glob("*.parquet"))
-REFERENCE = Path(os.environ.get("KVBENCH_SHARED", REPO.parent / "shared")) / "reference/mooncake_conversation.json"
+REFERENCE = SHARED / "reference/mooncake_conversation.json"
 # docs/semantics.md, Reference figures: classic block LRU on the Mooncake conversation trace (512-token blocks)
 LRU_REFERENCE = {
     "token_all": {32: 0.0329, 128: 0.0418, 512: 0.0430, 2048: 0.0560, 8192: 0.1847, 32768: 0.3415},
